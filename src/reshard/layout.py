@@ -1,0 +1,446 @@
+"""Logical tensors, pieces and layouts: which rank holds which box of which tensor, where.
+
+A *piece* is a box (``offsets``, ``sizes``) of a logical tensor placed at
+``buffer_offsets`` inside one local buffer of one rank. A buffer may have more
+dimensions than the tensor (a fused MoE buffer ``[experts, rows, cols]`` holds
+2-D expert tensors): the piece then fills the trailing dimensions and is one
+element thick in the leading ones.
+
+Example: a (4, 6) tensor ``w`` row-sharded over ranks 0 and 1::
+
+    rank  box (offsets, sizes)   buffer  buffer_offsets
+    0     (0, 0), (2, 6)         "w"     (0, 0)
+    1     (2, 0), (2, 6)         "w"     (0, 0)
+
+Everything here is pure data: no process group, no device.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, NamedTuple, Sequence
+
+import numpy as np
+import torch
+
+
+class LayoutError(ValueError):
+    """A layout or a pair of layouts is invalid; the message names tensor, rank and box."""
+
+
+def dtype_class(dtype: torch.dtype) -> str:
+    """'float', 'complex', 'bool' or 'int': a cast within one class is allowed."""
+    if dtype == torch.bool:
+        return "bool"
+    if dtype.is_complex:
+        return "complex"
+    if dtype.is_floating_point:
+        return "float"
+    return "int"
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A full weight as a checkpoint names it: ``TensorSpec("w", (10, 6), torch.float32)``."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        if any(s < 0 for s in self.shape):
+            raise LayoutError(f"tensor {self.name!r}: negative size in shape {self.shape}")
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * itemsize(self.dtype)
+
+
+class Piece(NamedTuple):
+    """One box of ``tensor`` held by ``rank`` at ``buffer_offsets`` inside ``buffer``."""
+
+    tensor: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    buffer: str
+    buffer_offsets: tuple[int, ...]
+    rank: int
+
+
+def box_str(offsets: Sequence[int], sizes: Sequence[int]) -> str:
+    """``[0:2, 3:6]`` for offsets (0, 3), sizes (2, 3)."""
+    return "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(offsets, sizes)) + "]"
+
+
+@dataclass(frozen=True, eq=False)
+class PieceTable:
+    """All pieces of one tensor in one layout, as numpy arrays (row i = piece i)."""
+
+    ranks: np.ndarray  # int64 [k]
+    offsets: np.ndarray  # int64 [k, ndim]
+    sizes: np.ndarray  # int64 [k, ndim]
+    buffers: tuple[str, ...]  # k buffer names
+    buffer_offsets: np.ndarray  # int64 [k, buffer_ndim]
+    _geometry: bytes | None = field(default=None, repr=False)
+
+    def __len__(self) -> int:
+        return len(self.buffers)
+
+    def geometry_key(self) -> bytes:
+        """Bytes identifying ranks and boxes (not buffers): equal keys plan alike."""
+        key = self._geometry
+        if key is None:
+            n, d = self.offsets.shape
+            key = b"".join(
+                [np.array([n, d], np.int64).tobytes(), self.ranks.tobytes(), self.offsets.tobytes(), self.sizes.tobytes()]
+            )
+            object.__setattr__(self, "_geometry", key)
+        return key
+
+
+def _as_table(pieces: Sequence[Piece], ndim: int) -> PieceTable:
+    k = len(pieces)
+    bnd = max((len(p.buffer_offsets) for p in pieces), default=ndim)
+    offsets = np.zeros((k, ndim), np.int64)
+    sizes = np.zeros((k, ndim), np.int64)
+    boffs = np.zeros((k, bnd), np.int64)
+    for i, p in enumerate(pieces):
+        offsets[i] = p.offsets
+        sizes[i] = p.sizes
+        boffs[i] = p.buffer_offsets
+    ranks = np.array([p.rank for p in pieces], np.int64)
+    return PieceTable(ranks, offsets, sizes, tuple(p.buffer for p in pieces), boffs)
+
+
+class Layout:
+    """All pieces of a side (source or destination), by rank, plus each rank's buffers.
+
+    Build one with :meth:`from_placements`, :meth:`from_dtensor` or :meth:`from_pieces`,
+    combine several with :meth:`merge`. Constructors validate; a bad layout raises
+    :class:`LayoutError` naming the tensor, rank and box.
+    """
+
+    def __init__(
+        self,
+        specs: Mapping[str, TensorSpec],
+        tables: Mapping[str, PieceTable],
+        buffers: Mapping[int, Mapping[str, tuple[tuple[int, ...], torch.dtype]]],
+        *,
+        validate: bool = True,
+    ) -> None:
+        self.specs: dict[str, TensorSpec] = dict(specs)
+        self.tables: dict[str, PieceTable] = dict(tables)
+        self._buffers: dict[int, dict[str, tuple[tuple[int, ...], torch.dtype]]] = {
+            int(r): dict(b) for r, b in buffers.items()
+        }
+        self._by_rank: dict[int, list[tuple[str, int]]] | None = None
+        if validate:
+            self.validate()
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def from_pieces(
+        cls,
+        specs: Iterable[TensorSpec],
+        pieces: Iterable[Piece],
+        buffers: Mapping[int, Mapping[str, tuple[Sequence[int], torch.dtype]]] | None = None,
+    ) -> "Layout":
+        """A layout from explicit pieces.
+
+        ``buffers`` gives each rank's buffers as ``{rank: {name: (shape, dtype)}}``; buffers
+        not listed are inferred: shape = the extent of their pieces, dtype = the tensor's.
+        """
+        spec_by_name = {}
+        for s in specs:
+            if s.name in spec_by_name and spec_by_name[s.name] != s:
+                raise LayoutError(f"tensor {s.name!r} declared twice with different specs")
+            spec_by_name[s.name] = s
+        grouped: dict[str, list[Piece]] = defaultdict(list)
+        for p in pieces:
+            p = Piece(p.tensor, tuple(map(int, p.offsets)), tuple(map(int, p.sizes)), p.buffer,
+                      tuple(map(int, p.buffer_offsets)), int(p.rank))
+            if p.tensor not in spec_by_name:
+                raise LayoutError(
+                    f"unknown tensor {p.tensor!r}: rank {p.rank} holds box {box_str(p.offsets, p.sizes)} "
+                    f"in buffer {p.buffer!r} but no TensorSpec names it"
+                )
+            spec = spec_by_name[p.tensor]
+            if len(p.offsets) != len(spec.shape) or len(p.sizes) != len(spec.shape):
+                raise LayoutError(
+                    f"tensor {p.tensor!r} rank {p.rank}: box {box_str(p.offsets, p.sizes)} has "
+                    f"{len(p.offsets)} dims, tensor has {len(spec.shape)}"
+                )
+            if len(p.buffer_offsets) < len(spec.shape):
+                raise LayoutError(
+                    f"tensor {p.tensor!r} rank {p.rank}: buffer {p.buffer!r} offsets {p.buffer_offsets} "
+                    f"have fewer dims than the tensor ({len(spec.shape)})"
+                )
+            grouped[p.tensor].append(p)
+        bufs: dict[int, dict[str, tuple[tuple[int, ...], torch.dtype]]] = defaultdict(dict)
+        for r, named in (buffers or {}).items():
+            for name, (shape, dtype) in named.items():
+                bufs[int(r)][name] = (tuple(int(s) for s in shape), dtype)
+        inferred: dict[tuple[int, str], list[int]] = {}
+        inferred_dtype: dict[tuple[int, str], torch.dtype] = {}
+        for name, plist in grouped.items():
+            for p in plist:
+                if p.buffer in bufs.get(p.rank, {}):
+                    continue
+                key = (p.rank, p.buffer)
+                lead = len(p.buffer_offsets) - len(p.sizes)
+                ext = [bo + s for bo, s in zip(p.buffer_offsets, (1,) * lead + p.sizes)]
+                prev = inferred.get(key)
+                if prev is not None and len(prev) != len(ext):
+                    raise LayoutError(f"rank {p.rank} buffer {p.buffer!r}: pieces disagree on its number of dims")
+                inferred[key] = ext if prev is None else [max(a, b) for a, b in zip(prev, ext)]
+                inferred_dtype.setdefault(key, spec_by_name[name].dtype)
+        for (r, b), ext in inferred.items():
+            bufs[r][b] = (tuple(ext), inferred_dtype[(r, b)])
+        tables = {name: _as_table(grouped.get(name, []), len(spec.shape)) for name, spec in spec_by_name.items()}
+        return cls(spec_by_name, tables, bufs)
+
+    @classmethod
+    def from_placements(
+        cls,
+        spec: TensorSpec,
+        ranks: Sequence[int],
+        mesh_shape: Sequence[int],
+        placements: Sequence["Placement"],
+        split: str = "chunk",
+        *,
+        buffer: str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> "Layout":
+        """DTensor-style layout of one tensor over ``ranks`` arranged row-major as ``mesh_shape``.
+
+        ``placements[i]`` says what mesh dim ``i`` does (``Shard``, ``Replicate``,
+        ``StridedShard``); ``split`` is the uneven-split rule (see :mod:`reshard.placements`).
+        The buffer is named after the tensor unless ``buffer`` is given; its dtype is the
+        tensor's unless ``dtype`` is given (e.g. bf16 inference copies of fp32 weights).
+        """
+        from .placements import local_pieces
+
+        pieces, buffers = local_pieces(spec, ranks, mesh_shape, placements, split, buffer or spec.name,
+                                       dtype or spec.dtype)
+        return cls.from_pieces([spec], pieces, buffers)
+
+    @classmethod
+    def from_dtensor(cls, name: str, dtensor, *, split: str = "chunk", buffer: str | None = None) -> "Layout":
+        """The layout of a live ``torch.distributed.tensor.DTensor`` over its device mesh.
+
+        Every rank of the mesh gets its pieces (computed, not communicated), so any rank
+        can call this and get the same layout.
+        """
+        from .placements import from_torch_placement
+
+        mesh = dtensor.device_mesh
+        spec = TensorSpec(name, tuple(dtensor.shape), dtensor.dtype)
+        ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
+        placements = [from_torch_placement(p) for p in dtensor.placements]
+        return cls.from_placements(spec, ranks, tuple(mesh.mesh.shape), placements, split, buffer=buffer)
+
+    @staticmethod
+    def merge(layouts: Iterable["Layout"]) -> "Layout":
+        """One layout holding the tensors of all ``layouts`` (same tensor may appear in several)."""
+        specs: dict[str, TensorSpec] = {}
+        pieces: dict[str, list[PieceTable]] = defaultdict(list)
+        bufs: dict[int, dict[str, tuple[tuple[int, ...], torch.dtype]]] = defaultdict(dict)
+        for lay in layouts:
+            for name, spec in lay.specs.items():
+                if name in specs and specs[name] != spec:
+                    raise LayoutError(f"tensor {name!r}: layouts disagree on its spec ({specs[name]} vs {spec})")
+                specs[name] = spec
+                pieces[name].append(lay.tables[name])
+            for r, named in lay._buffers.items():
+                for b, desc in named.items():
+                    if b in bufs[r] and bufs[r][b] != desc:
+                        raise LayoutError(f"rank {r} buffer {b!r}: layouts disagree on shape/dtype "
+                                          f"({bufs[r][b]} vs {desc})")
+                    bufs[r][b] = desc
+        tables = {}
+        for name, tabs in pieces.items():
+            if len(tabs) == 1:
+                tables[name] = tabs[0]
+            else:
+                tables[name] = PieceTable(
+                    np.concatenate([t.ranks for t in tabs]),
+                    np.concatenate([t.offsets for t in tabs]),
+                    np.concatenate([t.sizes for t in tabs]),
+                    sum((t.buffers for t in tabs), ()),
+                    _concat_ragged([t.buffer_offsets for t in tabs], len(specs[name].shape)),
+                )
+        return Layout(specs, tables, bufs)
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def ranks(self) -> list[int]:
+        """Sorted global ranks that hold a piece or a buffer."""
+        rs = set(self._buffers)
+        for t in self.tables.values():
+            rs.update(t.ranks.tolist())
+        return sorted(rs)
+
+    @property
+    def tensors(self) -> list[TensorSpec]:
+        return list(self.specs.values())
+
+    def _rank_index(self) -> dict[int, list[tuple[str, int]]]:
+        if self._by_rank is None:
+            idx: dict[int, list[tuple[str, int]]] = defaultdict(list)
+            for name, t in self.tables.items():
+                for i, r in enumerate(t.ranks.tolist()):
+                    idx[r].append((name, i))
+            self._by_rank = dict(idx)
+        return self._by_rank
+
+    def pieces(self, rank: int) -> list[Piece]:
+        """The pieces ``rank`` holds, in tensor order."""
+        out = []
+        for name, i in self._rank_index().get(int(rank), []):
+            t = self.tables[name]
+            out.append(Piece(name, tuple(t.offsets[i].tolist()), tuple(t.sizes[i].tolist()), t.buffers[i],
+                             tuple(t.buffer_offsets[i].tolist()), int(rank)))
+        return out
+
+    def all_pieces(self) -> Iterable[Piece]:
+        for r in self.ranks:
+            yield from self.pieces(r)
+
+    def buffers(self, rank: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """``{buffer_name: (shape, dtype)}`` of ``rank``."""
+        return dict(self._buffers.get(int(rank), {}))
+
+    def buffer_spec(self, rank: int, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+        """``(shape, dtype)`` of one buffer of one rank."""
+        try:
+            return self._buffers[rank][name]
+        except KeyError:
+            raise LayoutError(f"rank {rank} has no buffer {name!r}") from None
+
+    def empty_buffers(self, rank: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        """Zero-filled buffers of ``rank`` (e.g. destination parameters before a refit)."""
+        return {b: torch.zeros(shape, dtype=dt, device=device) for b, (shape, dt) in self.buffers(rank).items()}
+
+    def materialize(self, rank: int, full: Mapping[str, torch.Tensor], device: torch.device | str | None = None
+                    ) -> dict[str, torch.Tensor]:
+        """``rank``'s buffers filled from full logical tensors ``{name: Tensor}``."""
+        some = next(iter(full.values()), None)
+        dev = device if device is not None else (some.device if some is not None else "cpu")
+        out = self.empty_buffers(rank, dev)
+        for p in self.pieces(rank):
+            if p.tensor not in full:
+                raise LayoutError(f"materialize: no full tensor given for {p.tensor!r} (rank {rank})")
+            src = full[p.tensor][box_slices(p.offsets, p.sizes)]
+            buffer_view(out[p.buffer], p.buffer_offsets, p.sizes).copy_(src)
+        return out
+
+    def numel(self, rank: int | None = None) -> int:
+        """Elements held (all ranks, or one)."""
+        total = 0
+        for t in self.tables.values():
+            vol = t.sizes.prod(axis=1) if len(t) else np.zeros(0, np.int64)
+            total += int(vol.sum() if rank is None else vol[t.ranks == rank].sum())
+        return total
+
+    def __repr__(self) -> str:
+        n = sum(len(t) for t in self.tables.values())
+        return f"Layout({len(self.specs)} tensors, {n} pieces, ranks={self.ranks})"
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        """Raise :class:`LayoutError` for a box outside its tensor, a piece outside its buffer,
+        two pieces overlapping in one buffer, or a piece whose buffer has the wrong dtype class."""
+        for name, t in self.tables.items():
+            spec = self.specs.get(name)
+            if spec is None:
+                raise LayoutError(f"unknown tensor {name!r}: pieces refer to it but no TensorSpec names it")
+            if not len(t):
+                continue
+            shape = np.array(spec.shape, np.int64)
+            bad = np.flatnonzero(((t.offsets < 0) | (t.sizes < 0) | (t.offsets + t.sizes > shape)).any(axis=1))
+            if len(bad):
+                i = int(bad[0])
+                raise LayoutError(
+                    f"tensor {name!r} rank {int(t.ranks[i])}: box {box_str(t.offsets[i], t.sizes[i])} lies "
+                    f"outside the tensor's shape {spec.shape}"
+                )
+            for i in range(len(t)):
+                r, b = int(t.ranks[i]), t.buffers[i]
+                desc = self._buffers.get(r, {}).get(b)
+                if desc is None:
+                    raise LayoutError(f"tensor {name!r} rank {r}: buffer {b!r} is not declared on that rank")
+                bshape, bdtype = desc
+                if dtype_class(bdtype) != dtype_class(spec.dtype):
+                    raise LayoutError(f"tensor {name!r} rank {r}: buffer {b!r} has dtype {bdtype}, "
+                                      f"of another class than the tensor's {spec.dtype}")
+                bo = t.buffer_offsets[i]
+                if len(bshape) != len(bo):
+                    raise LayoutError(f"tensor {name!r} rank {r}: buffer {b!r} has {len(bshape)} dims but the "
+                                      f"piece's buffer offsets have {len(bo)}")
+                ext = (1,) * (len(bo) - t.sizes.shape[1]) + tuple(t.sizes[i].tolist())
+                if any(o < 0 or o + s > n for o, s, n in zip(bo.tolist(), ext, bshape)):
+                    raise LayoutError(
+                        f"tensor {name!r} rank {r}: box {box_str(t.offsets[i], t.sizes[i])} placed at "
+                        f"{tuple(bo.tolist())} does not fit buffer {b!r} of shape {bshape}"
+                    )
+        self._check_buffer_overlaps()
+
+    def _check_buffer_overlaps(self) -> None:
+        by_buffer: dict[tuple[int, str], list[tuple[str, int]]] = defaultdict(list)
+        for name, t in self.tables.items():
+            for i, (r, b) in enumerate(zip(t.ranks.tolist(), t.buffers)):
+                by_buffer[(r, b)].append((name, i))
+        for (r, b), members in by_buffer.items():
+            if len(members) < 2:
+                continue
+            lo = []
+            hi = []
+            for name, i in members:
+                t = self.tables[name]
+                bo = t.buffer_offsets[i]
+                ext = np.concatenate([np.ones(len(bo) - t.sizes.shape[1], np.int64), t.sizes[i]])
+                lo.append(bo)
+                hi.append(bo + ext)
+            lo_a, hi_a = np.stack(lo), np.stack(hi)
+            nonempty = (hi_a > lo_a).all(axis=1)
+            overlap = ((lo_a[:, None, :] < hi_a[None, :, :]) & (lo_a[None, :, :] < hi_a[:, None, :])).all(axis=2)
+            overlap &= nonempty[:, None] & nonempty[None, :]
+            np.fill_diagonal(overlap, False)
+            if overlap.any():
+                i, j = map(int, np.argwhere(overlap)[0])
+                (n1, k1), (n2, k2) = members[i], members[j]
+                t1, t2 = self.tables[n1], self.tables[n2]
+                raise LayoutError(
+                    f"rank {r} buffer {b!r}: piece of {n1!r} box {box_str(t1.offsets[k1], t1.sizes[k1])} at "
+                    f"{tuple(lo_a[i].tolist())} overlaps piece of {n2!r} box {box_str(t2.offsets[k2], t2.sizes[k2])} "
+                    f"at {tuple(lo_a[j].tolist())}"
+                )
+
+
+def _concat_ragged(arrays: list[np.ndarray], ndim: int) -> np.ndarray:
+    width = max(a.shape[1] for a in arrays)
+    if any(a.shape[1] != width for a in arrays):
+        raise LayoutError("pieces of one tensor are placed in buffers with different numbers of dims")
+    return np.concatenate(arrays)
+
+
+def box_slices(offsets: Sequence[int], sizes: Sequence[int]) -> tuple[slice, ...]:
+    return tuple(slice(int(o), int(o) + int(s)) for o, s in zip(offsets, sizes))
+
+
+def buffer_view(buf: torch.Tensor, buffer_offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
+    """The view of ``buf`` a piece occupies, shaped like its box (leading buffer dims dropped)."""
+    lead = len(buffer_offsets) - len(sizes)
+    index = tuple(int(o) for o in buffer_offsets[:lead]) + box_slices(buffer_offsets[lead:], sizes)
+    return buf[index]

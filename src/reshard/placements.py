@@ -1,0 +1,199 @@
+"""DTensor-style placements and the uneven-split rules, as plain data.
+
+Mesh dim ``i`` of shape ``m_i`` either replicates the tensor or splits one tensor dim.
+Placements apply left to right: a later mesh dim splits what an earlier one left
+on the rank (the DTensor rule). Example, 10 rows over 4 ranks, ``Shard(0)``::
+
+    split      rank 0   rank 1   rank 2   rank 3
+    "chunk"    0:3      3:6      6:9      9:10     (torch.chunk: ceil(10/4) = 3)
+    "balanced" 0:3      3:6      6:8      8:10     (first 10 % 4 ranks get one more)
+    "even"     error: 10 rows do not divide by 4
+
+``StridedShard(0, split_factor=2)`` over 2 ranks, 8 rows: the rows are cut into
+2 x 2 chunks and rank ``r`` gets chunks ``r, r + 2``: rank 0 holds rows 0:2 and 4:6
+(two pieces), rank 1 holds 2:4 and 6:8. This is torch's ``_StridedShard``, which
+FSDP2 uses over a tensor-parallel dim.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Sequence
+
+import torch
+
+from .layout import LayoutError, Piece, TensorSpec
+
+SPLITS = ("chunk", "balanced", "even")
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Split tensor dim ``dim`` across this mesh dim."""
+
+    dim: int
+
+    def __repr__(self) -> str:
+        return f"Shard(dim={self.dim})"
+
+
+@dataclass(frozen=True)
+class Replicate:
+    """Every rank along this mesh dim holds the same data."""
+
+    def __repr__(self) -> str:
+        return "Replicate()"
+
+
+@dataclass(frozen=True)
+class StridedShard:
+    """Cut tensor dim ``dim`` into ``mesh_size * split_factor`` chunks; rank ``r`` takes chunks
+    ``r, r + mesh_size, r + 2 * mesh_size, ...`` (torch's ``_StridedShard``)."""
+
+    dim: int
+    split_factor: int
+
+    def __repr__(self) -> str:
+        return f"StridedShard(dim={self.dim}, split_factor={self.split_factor})"
+
+
+Placement = Shard | Replicate | StridedShard
+
+
+def split_sizes(n: int, parts: int, split: str, what: str = "dim") -> list[int]:
+    """Sizes of ``parts`` consecutive parts of ``n`` items under rule ``split``.
+
+    >>> split_sizes(10, 4, "chunk"), split_sizes(10, 4, "balanced")
+    ([3, 3, 3, 1], [3, 3, 2, 2])
+    """
+    if parts <= 0:
+        raise LayoutError(f"{what}: cannot split into {parts} parts")
+    if split == "chunk":
+        c = -(-n // parts) if n else 0
+        return [max(0, min(c, n - i * c)) for i in range(parts)]
+    if split == "balanced":
+        q, rem = divmod(n, parts)
+        return [q + (1 if i < rem else 0) for i in range(parts)]
+    if split == "even":
+        if n % parts:
+            raise LayoutError(f"{what}: size {n} does not divide evenly into {parts} parts (split='even')")
+        return [n // parts] * parts
+    raise LayoutError(f"unknown split rule {split!r}; choose one of {SPLITS}")
+
+
+Intervals = tuple[tuple[int, int], ...]  # global (start, end) runs, in local order
+
+
+def _take(runs: Intervals, a: int, b: int) -> Intervals:
+    """Local positions [a, b) of the concatenation of ``runs``, as global runs."""
+    out = []
+    pos = 0
+    for s, e in runs:
+        n = e - s
+        lo, hi = max(a, pos), min(b, pos + n)
+        if lo < hi:
+            out.append((s + lo - pos, s + hi - pos))
+        pos += n
+    return tuple(out)
+
+
+@lru_cache(maxsize=4096)
+def _local_runs(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple, split: str, name: str
+                ) -> dict[tuple[int, ...], tuple[Intervals, ...]]:
+    """For each mesh coordinate, per tensor dim, the global runs it holds (in local order)."""
+    out = {}
+    for coord in itertools.product(*(range(m) for m in mesh_shape)):
+        runs: list[Intervals] = [((0, n),) for n in shape]
+        for i, (p, c) in enumerate(zip(placements, coord)):
+            if isinstance(p, Replicate):
+                continue
+            local = sum(e - s for s, e in runs[p.dim])
+            what = f"tensor {name!r} dim {p.dim} (mesh dim {i})"
+            if isinstance(p, Shard):
+                sizes = split_sizes(local, mesh_shape[i], split, what)
+                a = sum(sizes[:c])
+                runs[p.dim] = _take(runs[p.dim], a, a + sizes[c])
+            else:
+                k = mesh_shape[i]
+                sizes = split_sizes(local, k * p.split_factor, split, what)
+                starts = list(itertools.accumulate([0] + sizes))
+                taken: list[tuple[int, int]] = []
+                for j in range(p.split_factor):
+                    ch = c + j * k
+                    taken.extend(_take(runs[p.dim], starts[ch], starts[ch] + sizes[ch]))
+                runs[p.dim] = _merge_adjacent(taken)
+        out[coord] = tuple(runs)
+    return out
+
+
+def _merge_adjacent(runs: list[tuple[int, int]]) -> Intervals:
+    out: list[tuple[int, int]] = []
+    for s, e in runs:
+        if out and out[-1][1] == s:
+            out[-1] = (out[-1][0], e)
+        else:
+            out.append((s, e))
+    return tuple(out)
+
+
+def _check(spec: TensorSpec, ranks: Sequence[int], mesh_shape: Sequence[int], placements: Sequence) -> None:
+    if len(ranks) != math.prod(mesh_shape):
+        raise LayoutError(f"tensor {spec.name!r}: {len(ranks)} ranks do not fill mesh shape {tuple(mesh_shape)}")
+    if len(set(ranks)) != len(ranks):
+        raise LayoutError(f"tensor {spec.name!r}: ranks {list(ranks)} repeat a rank")
+    if len(placements) != len(mesh_shape):
+        raise LayoutError(f"tensor {spec.name!r}: {len(placements)} placements for a {len(mesh_shape)}-dim mesh")
+    for p in placements:
+        if not isinstance(p, (Shard, Replicate, StridedShard)):
+            raise LayoutError(f"tensor {spec.name!r}: unsupported placement {p!r}")
+        if isinstance(p, (Shard, StridedShard)) and not 0 <= p.dim < len(spec.shape):
+            raise LayoutError(f"tensor {spec.name!r}: {p!r} but the tensor has {len(spec.shape)} dims")
+        if isinstance(p, StridedShard) and p.split_factor < 1:
+            raise LayoutError(f"tensor {spec.name!r}: {p!r} needs split_factor >= 1")
+
+
+def local_pieces(spec: TensorSpec, ranks: Sequence[int], mesh_shape: Sequence[int], placements: Sequence,
+                 split: str, buffer: str, dtype: torch.dtype):
+    """Pieces and buffers of one tensor laid out by ``placements`` (see module doc)."""
+    _check(spec, ranks, mesh_shape, placements)
+    runs_by_coord = _local_runs(spec.shape, tuple(mesh_shape), tuple(placements), split, spec.name)
+    pieces = []
+    buffers = {}
+    for rank, coord in zip(ranks, itertools.product(*(range(m) for m in mesh_shape))):
+        runs = runs_by_coord[coord]
+        local_shape = tuple(sum(e - s for s, e in r) for r in runs)
+        buffers[int(rank)] = {buffer: (local_shape, dtype)}
+        per_dim = []
+        for r in runs:
+            pos, items = 0, []
+            for s, e in r:
+                items.append((s, e - s, pos))
+                pos += e - s
+            per_dim.append(items)
+        for combo in itertools.product(*per_dim):
+            sizes = tuple(c[1] for c in combo)
+            if 0 in sizes:
+                continue
+            pieces.append(Piece(spec.name, tuple(c[0] for c in combo), sizes, buffer, tuple(c[2] for c in combo),
+                                int(rank)))
+    return pieces, buffers
+
+
+def from_torch_placement(p) -> Placement:
+    """Our twin of a torch DTensor placement (``Shard``, ``Replicate``, ``_StridedShard``)."""
+    from torch.distributed.tensor import Replicate as TReplicate, Shard as TShard
+
+    try:
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError:  # pragma: no cover - older torch
+        _StridedShard = ()
+    if _StridedShard and isinstance(p, _StridedShard):
+        return StridedShard(p.dim, p.split_factor)
+    if isinstance(p, TShard):
+        return Shard(p.dim)
+    if isinstance(p, TReplicate):
+        return Replicate()
+    raise LayoutError(f"unsupported DTensor placement {p!r} (Partial sums cannot be resharded)")

@@ -1,0 +1,131 @@
+"""Messages and rounds: how a rank's copies become bounded, packed transfers.
+
+All copies from rank ``s`` to rank ``d`` form one ordered stream. With a staging
+cap ``B`` (``max_bucket_bytes``), every pair gets a per-round quota
+``q = B // max(peers(s), peers(d))``, where ``peers(x)`` counts the ranks ``x``
+sends to or receives from. The stream is cut into chunks of at most ``q`` bytes
+(a copy bigger than what is left is split along its outer rows) and chunk ``j``
+travels in round ``j``. A rank then stages at most ``sum(q) <= B`` bytes per round,
+and both ends compute the same chunks from the same stream without talking.
+
+Inside a message each copy starts at a multiple of :data:`ALIGN` bytes so that
+the staging bytes can be viewed as any dtype.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+ALIGN = 16
+
+
+def aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+class Copy(NamedTuple):
+    """Copy box ``offsets/sizes`` of ``tensor`` from ``src_buffer`` at ``src_offsets`` to
+    ``dst_buffer`` at ``dst_offsets``; ``dtype`` is the destination's (casts happen on the sender)."""
+
+    tensor: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    src_buffer: str
+    src_offsets: tuple[int, ...]
+    dst_buffer: str
+    dst_offsets: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+    def narrow(self, dim: int, start: int, length: int) -> "Copy":
+        """The sub-copy ``start:start+length`` along tensor dim ``dim``."""
+        def shift(offs: tuple[int, ...]) -> tuple[int, ...]:
+            k = len(offs) - len(self.sizes) + dim
+            return offs[:k] + (offs[k] + start,) + offs[k + 1:]
+
+        sizes = self.sizes[:dim] + (length,) + self.sizes[dim + 1:]
+        return self._replace(offsets=shift(self.offsets), sizes=sizes, src_offsets=shift(self.src_offsets),
+                             dst_offsets=shift(self.dst_offsets))
+
+
+@dataclass
+class Message:
+    """Copies between this rank and ``peer`` in ``round``, packed back to back."""
+
+    peer: int
+    round: int
+    copies: list[Copy] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        """Staging bytes, alignment included."""
+        return sum(aligned(c.nbytes) for c in self.copies)
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(c.nbytes for c in self.copies)
+
+
+def split_copy(c: Copy, max_bytes: int) -> list[Copy]:
+    """Cut ``c`` into row-major consecutive sub-copies of at most ``max_bytes`` each."""
+    esize = torch.empty((), dtype=c.dtype).element_size()
+    max_elems = max_bytes // esize
+    if max_elems < 1:
+        raise ValueError(f"max_bucket_bytes share {max_bytes} is smaller than one {c.dtype} element of {c.tensor!r}")
+    if c.numel <= max_elems:
+        return [c]
+    # outermost dim whose trailing block fits
+    inner = c.numel
+    for dim, n in enumerate(c.sizes):
+        inner //= n
+        if inner <= max_elems:
+            break
+    rows = max(1, max_elems // inner)
+    out = []
+    for index in itertools.product(*(range(n) for n in c.sizes[:dim])):  # peel outer dims one index at a time
+        sub = c
+        for k, i in enumerate(index):
+            sub = sub.narrow(k, i, 1)
+        for start in range(0, c.sizes[dim], rows):
+            out.append(sub.narrow(dim, start, min(rows, c.sizes[dim] - start)))
+    return out
+
+
+def chunk_stream(copies: list[Copy], quota: int | None) -> list[list[Copy]]:
+    """Cut one pair's ordered copies into chunks of at most ``quota`` staging bytes."""
+    if quota is None:
+        return [copies] if copies else []
+    chunks: list[list[Copy]] = []
+    cur: list[Copy] = []
+    used = 0
+    for c in copies:
+        for part in split_copy(c, quota):
+            size = aligned(part.nbytes)
+            if cur and used + size > quota:
+                chunks.append(cur)
+                cur, used = [], 0
+            cur.append(part)
+            used += size
+    if cur:
+        chunks.append(cur)
+    return chunks
+
+
+def pair_quota(max_bucket_bytes: int | None, peers_of_src: int, peers_of_dst: int) -> int | None:
+    """Per-round byte quota of one pair (see module doc); ``None`` means unbounded."""
+    if max_bucket_bytes is None:
+        return None
+    q = max_bucket_bytes // max(peers_of_src, peers_of_dst, 1)
+    return q - q % ALIGN if q >= ALIGN else q
