@@ -117,6 +117,7 @@ class Plan:
         self.source = source
         self.destination = destination
         self.max_bucket_bytes = max_bucket_bytes
+        self._fingerprint: str | None = None
         self.tensors = [n for n, t in destination.tables.items() if len(t)]
         keyed: dict[tuple, list[str]] = {}
         for name in self.tensors:
@@ -257,6 +258,11 @@ class Plan:
     # ------------------------------------------------------------------ identity
     def fingerprint(self) -> str:
         """Short hash of everything that decides the copies; equal on ranks that agree."""
+        if self._fingerprint is None:
+            self._fingerprint = self._hash()
+        return self._fingerprint
+
+    def _hash(self) -> str:
         h = hashlib.sha256(f"reshard-plan-{PLAN_FORMAT}-{self.max_bucket_bytes}".encode())
         for g in self._groups:
             it = g.items
