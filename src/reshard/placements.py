@@ -9,10 +9,11 @@ on the rank (the DTensor rule). Example, 10 rows over 4 ranks, ``Shard(0)``::
     "balanced" 0:3      3:6      6:8      8:10     (first 10 % 4 ranks get one more)
     "even"     error: 10 rows do not divide by 4
 
-``StridedShard(0, split_factor=2)`` over 2 ranks, 8 rows: the rows are cut into
-2 x 2 chunks and rank ``r`` gets chunks ``r, r + 2``: rank 0 holds rows 0:2 and 4:6
-(two pieces), rank 1 holds 2:4 and 6:8. This is torch's ``_StridedShard``, which
-FSDP2 uses over a tensor-parallel dim.
+``StridedShard(0, split_factor=2)`` over 2 ranks, 8 rows: the rows are first cut
+into 2 parts (0:4, 4:8), each part into 2, and rank ``r`` takes the ``r``-th of each:
+rank 0 holds rows 0:2 and 4:6 (two pieces), rank 1 holds 2:4 and 6:8. This is
+torch's ``_StridedShard`` (the "right-to-left" sharding FSDP2 uses over a
+tensor-parallel dim), including its nested rule for uneven sizes.
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ class Replicate:
 
 @dataclass(frozen=True)
 class StridedShard:
-    """Cut tensor dim ``dim`` into ``mesh_size * split_factor`` chunks; rank ``r`` takes chunks
-    ``r, r + mesh_size, r + 2 * mesh_size, ...`` (torch's ``_StridedShard``)."""
+    """Cut tensor dim ``dim`` into ``split_factor`` parts and each part into ``mesh_size``;
+    rank ``r`` takes the ``r``-th sub-part of every part (torch's ``_StridedShard``)."""
 
     dim: int
     split_factor: int
@@ -116,14 +117,14 @@ def _local_runs(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements:
                 sizes = split_sizes(local, mesh_shape[i], split, what)
                 a = sum(sizes[:c])
                 runs[p.dim] = _take(runs[p.dim], a, a + sizes[c])
-            else:
-                k = mesh_shape[i]
-                sizes = split_sizes(local, k * p.split_factor, split, what)
-                starts = list(itertools.accumulate([0] + sizes))
+            else:  # cut into split_factor parts, each part into mesh-size parts; take part c of each
                 taken: list[tuple[int, int]] = []
-                for j in range(p.split_factor):
-                    ch = c + j * k
-                    taken.extend(_take(runs[p.dim], starts[ch], starts[ch] + sizes[ch]))
+                a = 0
+                for part in split_sizes(local, p.split_factor, split, what):
+                    sub = split_sizes(part, mesh_shape[i], split, what)
+                    lo = a + sum(sub[:c])
+                    taken.extend(_take(runs[p.dim], lo, lo + sub[c]))
+                    a += part
                 runs[p.dim] = _merge_adjacent(taken)
         out[coord] = tuple(runs)
     return out
