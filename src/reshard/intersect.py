@@ -71,14 +71,28 @@ def _edges(lo: np.ndarray, hi: np.ndarray) -> list[np.ndarray]:
     return [np.unique(np.concatenate([lo[:, d], hi[:, d]])) for d in range(lo.shape[1])]
 
 
-def _cell_ranges(edges: list[np.ndarray], lo, hi) -> list[tuple[int, int]]:
-    """Grid cells per dim that overlap the box [lo, hi)."""
-    out = []
-    for e, a, b in zip(edges, lo, hi):
-        i = max(int(np.searchsorted(e, a, "right")) - 1, 0)
-        j = min(int(np.searchsorted(e, b, "left")), len(e) - 1)
-        out.append((i, max(i, j)))
+def _cell_ranges(edges: list[np.ndarray], lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Per box and dim, the half-open range of grid cells overlapping boxes [lo, hi): ``[n, ndim, 2]``."""
+    out = np.zeros((len(lo), len(edges), 2), np.int64)
+    for k, e in enumerate(edges):
+        out[:, k, 0] = np.maximum(np.searchsorted(e, lo[:, k], "right") - 1, 0)
+        out[:, k, 1] = np.minimum(np.searchsorted(e, hi[:, k], "left"), len(e) - 1)
     return out
+
+
+def _expand_ranges(ranges: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For rows of per-dim cell ranges ``[n, ndim, 2]``: (row index, cell coords [m, ndim]) of every cell."""
+    n, d, _ = ranges.shape
+    owner = np.arange(n)
+    coords = np.zeros((n, 0), np.int64)
+    for k in range(d):
+        lo, hi = ranges[owner, k, 0], ranges[owner, k, 1]
+        count = np.maximum(hi - lo, 0)
+        rep = np.repeat(np.arange(len(owner)), count)
+        step = np.arange(len(rep)) - np.repeat(np.cumsum(count) - count, count)
+        coords = np.concatenate([coords[rep], (lo[rep] + step)[:, None]], axis=1)
+        owner = owner[rep]
+    return owner, coords
 
 
 class _Regions:
@@ -89,18 +103,10 @@ class _Regions:
         self.edges = _edges(lo, hi) if len(lo) else [np.zeros(1, np.int64) for _ in range(lo.shape[1])]
         shape = tuple(max(len(e) - 1, 0) for e in self.edges)
         self.cell_region = np.full(shape, -1, np.int64)
-        self.overlapping = False
-        for r in range(len(lo)):
-            sl = tuple(slice(i, j) for i, j in _cell_ranges(self.edges, lo[r], hi[r]))
-            view = self.cell_region[sl]
-            if (view >= 0).any():
-                self.overlapping = True
-            view[...] = r
-
-    def touching(self, lo, hi) -> np.ndarray:
-        sl = tuple(slice(i, j) for i, j in _cell_ranges(self.edges, lo, hi))
-        ids = np.unique(self.cell_region[sl]) if self.cell_region.size else np.zeros(0, np.int64)
-        return ids[ids >= 0]
+        owner, coords = _expand_ranges(_cell_ranges(self.edges, lo, hi))
+        flat = np.ravel_multi_index(tuple(coords.T), shape) if len(shape) else np.zeros(len(owner), np.int64)
+        self.overlapping = len(np.unique(flat)) < len(flat)
+        self.cell_region.reshape(-1)[flat] = owner
 
 
 def _source_regions(st: PieceTable) -> _Regions:
@@ -129,22 +135,32 @@ def _source_regions(st: PieceTable) -> _Regions:
 
 
 def _needs(dt: PieceTable):
-    """Per destination rank, disjoint boxes with the pieces that want them: (rank, lo, hi, pieces)."""
+    """Per destination rank, disjoint boxes and the pieces that want them.
+
+    Returns ``rank [n]``, ``lo [n, d]``, ``hi [n, d]`` and a list of piece-index arrays
+    (the first piece of each is the primary one).
+    """
     d = dt.offsets.shape[1]
     live = np.flatnonzero((dt.sizes > 0).all(axis=1))
     keys = np.concatenate([dt.ranks[live, None], dt.offsets[live], dt.offsets[live] + dt.sizes[live]], axis=1)
     rows, groups = _unique_rows(keys)
-    by_rank: dict[int, list[int]] = {}
-    for i, r in enumerate(rows[:, 0].tolist()):
-        by_rank.setdefault(r, []).append(i)
-    out = []
-    for r, idx in by_rank.items():
-        lo, hi = rows[idx, 1:1 + d], rows[idx, 1 + d:]
-        pieces = [live[groups[i]] for i in idx]
-        if len(idx) > 1 and _any_overlap(lo, hi):
-            lo, hi, pieces = _cut_into_cells(lo, hi, pieces)
-        out.extend((r, lo[j], hi[j], pieces[j]) for j in range(len(lo)))
-    return out
+    rows = rows.reshape(-1, 1 + 2 * d)
+    pieces = [live[g] for g in groups]
+    ranks, first, counts = np.unique(rows[:, 0], return_index=True, return_counts=True)
+    crowded = [(int(a), int(a + c)) for a, c in zip(first, counts) if c > 1]
+    if not any(_any_overlap(rows[a:b, 1:1 + d], rows[a:b, 1 + d:]) for a, b in crowded):
+        return rows[:, 0], rows[:, 1:1 + d], rows[:, 1 + d:], pieces
+    out_r, out_lo, out_hi, out_p = [], [], [], []
+    for a, c in zip(first.tolist(), counts.tolist()):
+        lo, hi, ps = rows[a:a + c, 1:1 + d], rows[a:a + c, 1 + d:], pieces[a:a + c]
+        if c > 1 and _any_overlap(lo, hi):
+            lo, hi, ps = _cut_into_cells(lo, hi, ps)
+        out_r.extend([rows[a, 0]] * len(lo))
+        out_lo.extend(lo)
+        out_hi.extend(hi)
+        out_p.extend(ps)
+    return (np.array(out_r, np.int64), np.array(out_lo, np.int64).reshape(-1, d),
+            np.array(out_hi, np.int64).reshape(-1, d), out_p)
 
 
 def _any_overlap(lo: np.ndarray, hi: np.ndarray) -> bool:
@@ -190,52 +206,67 @@ def tensor_items(name: str, st: PieceTable, dt: PieceTable) -> TensorItems:
     """
     d = dt.offsets.shape[1]
     regions = _source_regions(st)
-    kind, dst_piece, source, offs, sizes, cstart, ccount, cands = [], [], [], [], [], [], [], []
-    for rank, lo, hi, pieces in _needs(dt):
-        primary = int(pieces[0])
-        covered = 0
-        for reg in regions.touching(lo, hi).tolist():
-            ilo = np.maximum(lo, regions.lo[reg])
-            ihi = np.minimum(hi, regions.hi[reg])
-            if (ihi <= ilo).any():
-                continue
-            covered += int(np.prod(ihi - ilo))
-            holders = regions.holders[reg]
-            holder_ranks = st.ranks[holders]
-            mine = holders[holder_ranks == rank]
-            offs.append(ilo)
-            sizes.append(ihi - ilo)
-            dst_piece.append(primary)
-            if len(mine):
-                kind.append(LOCAL)
-                source.append(int(mine[0]))
-                cstart.append(len(cands))
-                ccount.append(0)
-            else:
-                _, first = np.unique(holder_ranks, return_index=True)  # one candidate piece per rank
-                kind.append(REMOTE)
-                source.append(-1)
-                cstart.append(len(cands))
-                ccount.append(len(first))
-                cands.extend(holders[np.sort(first)].tolist())
-        if covered != int(np.prod(hi - lo)):
-            missing = _uncovered(lo, hi, regions)
-            raise LayoutError(
-                f"tensor {name!r} rank {rank}: destination box {box_str(lo, hi - lo)} is not fully held by any "
-                f"source; uncovered: {', '.join(missing)}"
-            )
-        for other in pieces[1:].tolist():
-            kind.append(FANOUT)
-            source.append(primary)
-            dst_piece.append(int(other))
-            offs.append(lo)
-            sizes.append(hi - lo)
-            cstart.append(len(cands))
-            ccount.append(0)
+    need_rank, need_lo, need_hi, need_pieces = _needs(dt)
+    n_need = len(need_rank)
+    # which regions each need touches: cells of the region grid, then their region ids
+    ranges = _cell_ranges(regions.edges, need_lo, need_hi)
+    owner, cells = _expand_ranges(ranges)
+    reg = regions.cell_region[tuple(cells.T)] if d else np.broadcast_to(regions.cell_region, owner.shape)
+    keep = reg >= 0
+    n_reg = max(len(regions.lo), 1)
+    pair = np.unique(owner[keep] * n_reg + reg[keep])
+    need_of, reg_of = pair // n_reg, pair % n_reg
+    ilo = np.maximum(need_lo[need_of], regions.lo[reg_of])
+    ihi = np.minimum(need_hi[need_of], regions.hi[reg_of])
+    live = (ihi > ilo).all(axis=1)
+    need_of, reg_of, ilo, ihi = need_of[live], reg_of[live], ilo[live], ihi[live]
+    covered = np.bincount(need_of, weights=np.prod(ihi - ilo, axis=1), minlength=n_need)
+    short = np.flatnonzero(covered != np.prod(need_hi - need_lo, axis=1))
+    if len(short):
+        i = int(short[0])
+        missing = _uncovered(need_lo[i], need_hi[i], regions)
+        raise LayoutError(
+            f"tensor {name!r} rank {int(need_rank[i])}: destination box {box_str(need_lo[i], need_hi[i] - need_lo[i])} "
+            f"is not fully held by any source; uncovered: {', '.join(missing)}"
+        )
+    # candidate source pieces per region, one per rank, as CSR; and (region, rank) -> local piece
+    width = int(max(st.ranks.max(initial=0), dt.ranks.max(initial=0))) + 1
+    cand_lists, local_keys, local_piece = [], [], []
+    for r, holders in enumerate(regions.holders):
+        hr = st.ranks[holders]
+        _, first = np.unique(hr, return_index=True)
+        first = np.sort(first)
+        cand_lists.append(holders[first])
+        local_keys.append(r * width + hr[first])
+        local_piece.append(holders[first])
+    counts = np.array([len(c) for c in cand_lists], np.int64)
+    starts = np.cumsum(counts) - counts
+    candidates = np.concatenate(cand_lists) if cand_lists else np.zeros(0, np.int64)
+    lk = np.concatenate(local_keys) if local_keys else np.zeros(0, np.int64)
+    lp = np.concatenate(local_piece) if local_piece else np.zeros(0, np.int64)
+    order = np.argsort(lk, kind="stable")
+    lk, lp = lk[order], lp[order]
+    want = reg_of * width + need_rank[need_of]
+    pos = np.minimum(np.searchsorted(lk, want), max(len(lk) - 1, 0))
+    is_local = (lk[pos] == want) if len(lk) else np.zeros(len(want), bool)
+    primary = np.array([int(p[0]) for p in need_pieces], np.int64)
+    kind = np.where(is_local, LOCAL, REMOTE).astype(np.int8)
+    source = np.where(is_local, lp[pos] if len(lp) else -1, -1)
+    cstart = starts[reg_of]
+    ccount = np.where(is_local, 0, counts[reg_of])
+    # fan-out: extra destination pieces of one rank with the same box
+    fan_need = np.array([i for i, p in enumerate(need_pieces) for _ in p[1:]], np.int64)
+    fan_piece = np.array([int(x) for p in need_pieces for x in p[1:]], np.int64)
+    n_fan = len(fan_need)
     items = TensorItems(
-        np.array(kind, np.int8), np.array(dst_piece, np.int64), np.array(source, np.int64),
-        np.array(offs, np.int64).reshape(-1, d), np.array(sizes, np.int64).reshape(-1, d),
-        np.array(cstart, np.int64), np.array(ccount, np.int64), np.array(cands, np.int64),
+        np.concatenate([kind, np.full(n_fan, FANOUT, np.int8)]),
+        np.concatenate([primary[need_of], fan_piece]),
+        np.concatenate([source, primary[fan_need]]),
+        np.concatenate([ilo, need_lo[fan_need]]).reshape(-1, d),
+        np.concatenate([ihi - ilo, need_hi[fan_need] - need_lo[fan_need]]).reshape(-1, d),
+        np.concatenate([cstart, np.zeros(n_fan, np.int64)]),
+        np.concatenate([ccount, np.zeros(n_fan, np.int64)]),
+        candidates,
     )
     return _coalesce(items) if regions.overlapping else items
 

@@ -145,6 +145,7 @@ class Layout:
             int(r): dict(b) for r, b in buffers.items()
         }
         self._by_rank: dict[int, list[tuple[str, int]]] | None = None
+        self._dtypes: set[torch.dtype] | None = None
         if validate:
             self.validate()
 
@@ -327,6 +328,15 @@ class Layout:
             return self._buffers[rank][name]
         except KeyError:
             raise LayoutError(f"rank {rank} has no buffer {name!r}") from None
+
+    def itemsizes(self, name: str) -> np.ndarray:
+        """Bytes per element of the buffer each piece of ``name`` lives in (int64 [k])."""
+        t = self.tables[name]
+        if self._dtypes is None:
+            self._dtypes = {dt for named in self._buffers.values() for _, dt in named.values()}
+        if len(self._dtypes) == 1:
+            return np.full(len(t), itemsize(next(iter(self._dtypes))), np.int64)
+        return np.array([itemsize(self._buffers[r][b][1]) for r, b in zip(t.ranks.tolist(), t.buffers)], np.int64)
 
     def empty_buffers(self, rank: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """Zero-filled buffers of ``rank`` (e.g. destination parameters before a refit)."""

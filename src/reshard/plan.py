@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from .intersect import FANOUT, LOCAL, REMOTE, TensorItems, tensor_items
-from .layout import Layout, LayoutError, PieceTable, dtype_class, itemsize
+from .layout import Layout, LayoutError, PieceTable, dtype_class
 from .schedule import Copy, Message, chunk_stream, pair_quota
 
 PLAN_FORMAT = 1
@@ -38,15 +38,41 @@ PLAN_FORMAT = 1
 
 @dataclass(eq=False)
 class _Group:
-    """Tensors sharing one geometry, and their copies (row = instance, column = item)."""
+    """Tensors sharing one geometry (instances) and their copies (items).
+
+    ``piece``/``rank`` give each item's source piece and rank (fan-out: the primary
+    destination piece); remote items with several candidate replicas are chosen per
+    instance, in ``choice_piece``/``choice_rank`` (columns ``choice_cols``).
+    """
 
     items: TensorItems
     tensors: list[str]
     tensor_index: np.ndarray  # int64 [n_inst]: position in Plan.tensors
-    src_piece: np.ndarray  # int64 [n_inst, n_items]: source piece (fan-out: primary destination piece)
-    src_rank: np.ndarray  # int64 [n_inst, n_items]
+    piece: np.ndarray  # int64 [n_items]
+    rank: np.ndarray  # int64 [n_items]
     dst_rank: np.ndarray  # int64 [n_items]
-    nbytes: np.ndarray  # int64 [n_inst, n_items]
+    nbytes: np.ndarray  # int64 [n_inst, n_items] (often a broadcast view)
+    choice_cols: np.ndarray  # int64 [m]
+    choice_piece: np.ndarray  # int64 [n_inst, m]
+    choice_rank: np.ndarray  # int64 [n_inst, m]
+
+    @cached_property
+    def total_bytes(self) -> np.ndarray:
+        """Bytes of each item summed over instances."""
+        return self.nbytes.sum(axis=0)
+
+    @cached_property
+    def choice_of(self) -> np.ndarray:
+        out = np.full(len(self.items), -1, np.int64)
+        out[self.choice_cols] = np.arange(len(self.choice_cols))
+        return out
+
+    def source_of(self, i: int, k: int) -> tuple[int, int]:
+        """(source piece, source rank) of item ``k`` of instance ``i``."""
+        j = self.choice_of[k]
+        if j < 0:
+            return int(self.piece[k]), int(self.rank[k])
+        return int(self.choice_piece[i, j]), int(self.choice_rank[i, j])
 
 
 @dataclass
@@ -98,15 +124,6 @@ def _check_pair(source: Layout, destination: Layout) -> None:
                               f"are of different classes")
 
 
-def _piece_itemsizes(layout: Layout, table: PieceTable) -> np.ndarray:
-    cache: dict[torch.dtype, int] = {}
-    out = np.empty(len(table), np.int64)
-    for i, (r, b) in enumerate(zip(table.ranks.tolist(), table.buffers)):
-        dt = layout.buffer_spec(r, b)[1]
-        out[i] = cache.setdefault(dt, itemsize(dt))
-    return out
-
-
 class Plan:
     """All copies of a refit from ``source`` to ``destination`` (see module doc)."""
 
@@ -131,43 +148,54 @@ class Plan:
             st, dt = source.tables[first], destination.tables[first]
             items = tensor_items(first, st, dt)
             volume = items.sizes.prod(axis=1) if len(items) else np.zeros(0, np.int64)
-            isz = np.stack([_piece_itemsizes(destination, destination.tables[n])[items.dst_piece] for n in names])
+            sizes = [destination.itemsizes(n) for n in names]
+            same = all(np.array_equal(sizes[0], x) for x in sizes[1:])
+            isz = (sizes[0][None, :] if same else np.stack(sizes))[:, items.dst_piece]
             n_inst = len(names)
-            src_piece = np.tile(np.where(items.kind == REMOTE, -1, items.source), (n_inst, 1))
-            src_rank = np.where(items.kind == FANOUT, dt.ranks[items.dst_piece], st.ranks[np.maximum(items.source, 0)])
+            # a remote copy with one candidate needs no choice
+            piece = np.where(items.kind == REMOTE, -1, items.source)
+            single = (items.kind == REMOTE) & (items.cand_count == 1)
+            piece[single] = items.candidates[items.cand_start[single]]
+            rank = np.where(items.kind == FANOUT, dt.ranks[items.dst_piece], st.ranks[np.maximum(piece, 0)])
+            multi = np.flatnonzero((items.kind == REMOTE) & (items.cand_count > 1))
             self._groups.append(_Group(
-                items, names, np.array([position[n] for n in names], np.int64), src_piece,
-                np.tile(src_rank, (n_inst, 1)), dt.ranks[items.dst_piece], isz * volume[None, :],
+                items, names, np.array([position[n] for n in names], np.int64), piece, rank,
+                dt.ranks[items.dst_piece], np.broadcast_to(isz * volume[None, :], (n_inst, len(items))),
+                multi, np.zeros((n_inst, len(multi)), np.int64), np.zeros((n_inst, len(multi)), np.int64),
             ))
         self._choose_sources()
 
     # ------------------------------------------------------------------ source choice
     def _choose_sources(self) -> None:
-        load: dict[int, int] = defaultdict(int)
+        load = np.zeros(max(self.source.ranks, default=0) + 1, np.int64)
         work = []
         for gi, g in enumerate(self._groups):
-            remote = np.flatnonzero(g.items.kind == REMOTE)
-            for k in remote.tolist():
-                work.append((-int(g.nbytes[:, k].sum()), gi, k))
+            fixed = np.flatnonzero((g.items.kind == REMOTE) & (g.choice_of < 0))
+            load += np.bincount(g.rank[fixed], weights=g.total_bytes[fixed], minlength=len(load)).astype(np.int64)
+            work.extend((-int(g.total_bytes[k]), gi, j) for j, k in enumerate(g.choice_cols.tolist()))
         work.sort()
-        for _, gi, k in work:
+        for _, gi, j in work:  # replicas: largest copies first, to the least loaded candidate
             g = self._groups[gi]
             it = g.items
+            k = int(g.choice_cols[j])
             cands = it.candidates[it.cand_start[k]: it.cand_start[k] + it.cand_count[k]]
             cand_ranks = self.source.tables[g.tensors[0]].ranks[cands]
-            order = sorted(range(len(cands)), key=lambda j: (load[int(cand_ranks[j])], int(cand_ranks[j])))
-            n = len(g.tensors)
-            pick = np.array(order, np.int64)[np.arange(n) % len(order)]
-            g.src_piece[:, k] = cands[pick]
-            g.src_rank[:, k] = cand_ranks[pick]
-            for r, b in zip(cand_ranks[pick].tolist(), g.nbytes[:, k].tolist()):
-                load[r] += b
+            order = np.lexsort((cand_ranks, load[cand_ranks]))
+            pick = order[np.arange(len(g.tensors)) % len(order)]
+            g.choice_piece[:, j] = cands[pick]
+            g.choice_rank[:, j] = cand_ranks[pick]
+            np.add.at(load, cand_ranks[pick], g.nbytes[:, k])
 
     # ------------------------------------------------------------------ figures
     def _rows(self, kind: int):
+        """(source ranks, destination ranks, bytes) of all items of one kind, in array chunks."""
         for g in self._groups:
-            mask = np.broadcast_to(g.items.kind == kind, g.nbytes.shape)
-            yield g.src_rank[mask], np.broadcast_to(g.dst_rank, g.nbytes.shape)[mask], g.nbytes[mask]
+            fixed = np.flatnonzero((g.items.kind == kind) & (g.choice_of < 0))
+            yield g.rank[fixed], g.dst_rank[fixed], g.total_bytes[fixed]
+            if kind == REMOTE and len(g.choice_cols):
+                cols = g.choice_cols
+                yield (g.choice_rank.ravel(), np.broadcast_to(g.dst_rank[cols], g.choice_rank.shape).ravel(),
+                       g.nbytes[:, cols].ravel())
 
     @cached_property
     def pair_bytes(self) -> dict[tuple[int, int], int]:
@@ -266,7 +294,8 @@ class Plan:
         h = hashlib.sha256(f"reshard-plan-{PLAN_FORMAT}-{self.max_bucket_bytes}".encode())
         for g in self._groups:
             it = g.items
-            for a in (it.kind, it.dst_piece, it.offsets, it.sizes, g.src_piece, g.src_rank, g.dst_rank, g.nbytes):
+            for a in (it.kind, it.dst_piece, it.offsets, it.sizes, g.piece, g.rank, g.dst_rank, g.nbytes,
+                      g.choice_cols, g.choice_piece, g.choice_rank):
                 h.update(np.ascontiguousarray(a).tobytes())
             for name in g.tensors:
                 h.update(name.encode() + b"\0")
@@ -286,18 +315,22 @@ class Plan:
         out = RankPlan(rank)
         streams: dict[tuple[int, int], list[tuple[int, int, Copy]]] = defaultdict(list)
         for g in self._groups:
-            involved = (g.src_rank == rank) | (g.dst_rank[None, :] == rank)
-            for i, k in zip(*np.nonzero(involved)):
-                i, k = int(i), int(k)
-                c = self._copy(g, i, k)
+            fixed = (g.choice_of < 0) & ((g.rank == rank) | (g.dst_rank == rank))
+            cols = np.flatnonzero(fixed)
+            pairs = [(i, k) for i in range(len(g.tensors)) for k in cols.tolist()]
+            if len(g.choice_cols):
+                mine = (g.choice_rank == rank) | (g.dst_rank[g.choice_cols][None, :] == rank)
+                pairs += [(int(i), int(g.choice_cols[j])) for i, j in zip(*np.nonzero(mine))]
+            for i, k in pairs:
                 kind = int(g.items.kind[k])
-                s, d = int(g.src_rank[i, k]), int(g.dst_rank[k])
+                sp, s = g.source_of(i, k)
+                c = self._copy(g, i, k, sp)
                 if kind == LOCAL:
                     out.local.append(c)
                 elif kind == FANOUT:
                     out.fanout.append(c)
                 else:
-                    streams[(s, d)].append((int(g.tensor_index[i]), k, c))
+                    streams[(s, int(g.dst_rank[k]))].append((int(g.tensor_index[i]), k, c))
         peers = self._peers
         for (s, d), entries in sorted(streams.items()):
             entries.sort(key=lambda e: (e[0], e[1]))
@@ -309,13 +342,13 @@ class Plan:
         out.recvs.sort(key=lambda m: (m.round, m.peer))
         return out
 
-    def _copy(self, g: _Group, i: int, k: int) -> Copy:
+    def _copy(self, g: _Group, i: int, k: int, sp: int) -> Copy:
         name = g.tensors[i]
         it = g.items
         kind = int(it.kind[k])
         dt = self.destination.tables[name]
         st = dt if kind == FANOUT else self.source.tables[name]
-        sp, dp = int(g.src_piece[i, k]), int(it.dst_piece[k])
+        dp = int(it.dst_piece[k])
         off = it.offsets[k]
 
         def place(t: PieceTable, p: int) -> tuple[int, ...]:

@@ -1,0 +1,8 @@
+"""``python -m reshard demo``: the same as the ``reshard`` command."""
+
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())
