@@ -70,18 +70,23 @@ def split_sizes(n: int, parts: int, split: str, what: str = "dim") -> list[int]:
     >>> split_sizes(10, 4, "chunk"), split_sizes(10, 4, "balanced")
     ([3, 3, 3, 1], [3, 3, 2, 2])
     """
+    return list(_split_sizes(n, parts, split, what))
+
+
+@lru_cache(maxsize=65536)
+def _split_sizes(n: int, parts: int, split: str, what: str) -> tuple[int, ...]:
     if parts <= 0:
         raise LayoutError(f"{what}: cannot split into {parts} parts")
     if split == "chunk":
         c = -(-n // parts) if n else 0
-        return [max(0, min(c, n - i * c)) for i in range(parts)]
+        return tuple(max(0, min(c, n - i * c)) for i in range(parts))
     if split == "balanced":
         q, rem = divmod(n, parts)
-        return [q + (1 if i < rem else 0) for i in range(parts)]
+        return tuple(q + (1 if i < rem else 0) for i in range(parts))
     if split == "even":
         if n % parts:
             raise LayoutError(f"{what}: size {n} does not divide evenly into {parts} parts (split='even')")
-        return [n // parts] * parts
+        return (n // parts,) * parts
     raise LayoutError(f"unknown split rule {split!r}; choose one of {SPLITS}")
 
 
@@ -102,7 +107,7 @@ def _take(runs: Intervals, a: int, b: int) -> Intervals:
 
 
 @lru_cache(maxsize=4096)
-def _local_runs(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple, split: str, name: str
+def _local_runs(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple, split: str
                 ) -> dict[tuple[int, ...], tuple[Intervals, ...]]:
     """For each mesh coordinate, per tensor dim, the global runs it holds (in local order)."""
     out = {}
@@ -112,16 +117,16 @@ def _local_runs(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements:
             if isinstance(p, Replicate):
                 continue
             local = sum(e - s for s, e in runs[p.dim])
-            what = f"tensor {name!r} dim {p.dim} (mesh dim {i})"
+            what = f"dim {p.dim} (mesh dim {i})"
             if isinstance(p, Shard):
-                sizes = split_sizes(local, mesh_shape[i], split, what)
+                sizes = _split_sizes(local, mesh_shape[i], split, what)
                 a = sum(sizes[:c])
                 runs[p.dim] = _take(runs[p.dim], a, a + sizes[c])
             else:  # cut into split_factor parts, each part into mesh-size parts; take part c of each
                 taken: list[tuple[int, int]] = []
                 a = 0
-                for part in split_sizes(local, p.split_factor, split, what):
-                    sub = split_sizes(part, mesh_shape[i], split, what)
+                for part in _split_sizes(local, p.split_factor, split, what):
+                    sub = _split_sizes(part, mesh_shape[i], split, what)
                     lo = a + sum(sub[:c])
                     taken.extend(_take(runs[p.dim], lo, lo + sub[c]))
                     a += part
@@ -160,7 +165,10 @@ def local_pieces(spec: TensorSpec, ranks: Sequence[int], mesh_shape: Sequence[in
                  split: str, buffer: str, dtype: torch.dtype):
     """Pieces and buffers of one tensor laid out by ``placements`` (see module doc)."""
     _check(spec, ranks, mesh_shape, placements)
-    runs_by_coord = _local_runs(spec.shape, tuple(mesh_shape), tuple(placements), split, spec.name)
+    try:
+        runs_by_coord = _local_runs(spec.shape, tuple(mesh_shape), tuple(placements), split)
+    except LayoutError as e:
+        raise LayoutError(f"tensor {spec.name!r} {e}") from None
     pieces = []
     buffers = {}
     for rank, coord in zip(ranks, itertools.product(*(range(m) for m in mesh_shape))):

@@ -1,18 +1,24 @@
 """Deterministic test values for any box of any tensor, without materialising the model.
 
-Element ``i`` (row-major linear index) of tensor ``name`` has the value ``T[(c + a * i) mod P]``
-where ``T`` is a fixed random table of ``P`` entries (a prime, about a million),
-and ``a``, ``c`` are derived from a hash of the tensor name and the seed. So:
+The value of element ``(i0, i1, ...)`` of tensor ``name`` is built from its bits::
 
-- any rank computes the values of just the boxes it holds, with two vectorised
-  torch ops per slab (an int32 broadcast sum over the box's dims and one table
-  gather), a few hundred million elements per second per core;
-- a value depends on the tensor and the element's position, so misplaced,
-  transposed, swapped or missing data shows up as mismatches (a few
-  coincidences are possible: bf16 has only ~32 k values in [-1, 1));
-- float values lie in [-1, 1) and are cast from a float32 table to the buffer's
-  dtype, so the expected value of a destination element is exactly what a
-  sender-side cast of the source value gives.
+    bits = (T0[i0] ^ T1[i1] ^ ...) & MASK        # one random table per (tensor, dim, seed)
+    value = bits viewed as the tensor's dtype    # e.g. bf16 in (-1, 1)
+
+``Td`` is a table of ``shape[d]`` random integers of the dtype's width, seeded by a
+hash of the tensor name, the dim and the seed, and ``MASK`` keeps the sign and
+mantissa and caps the exponent, so float values are finite and lie in (-1, 1)
+(integers in 0..127, bools 0/1). Hence:
+
+- any rank computes just the boxes it holds: slices of the tables and one
+  broadcast XOR per dim, written straight into the buffer's view (hundreds of
+  millions of elements per second per core, no model-sized scratch);
+- a value depends on the tensor and on every coordinate, so misplaced,
+  transposed, shifted, swapped or missing data shows up as mismatches (rare
+  coincidences are possible: bf16 has ~32 k values in (-1, 1));
+- values are defined in the tensor's logical dtype and cast to the buffer's
+  (``Tensor.to``), so the expected value of a destination element is exactly what
+  a sender-side cast of the source value gives (fp32 source -> bf16 destination).
 
 ``fill`` / ``fill_source`` give a rank's buffers filled with these values;
 ``check_destination`` compares a rank's destination buffers bit for bit.
@@ -20,7 +26,6 @@ and ``a``, ``c`` are derived from a hash of the tensor name and the seed. So:
 
 from __future__ import annotations
 
-import itertools
 import math
 import zlib
 from functools import lru_cache
@@ -30,77 +35,95 @@ import torch
 
 from .layout import Layout, box_str, buffer_view
 
-P = 1_000_003  # table period (prime)
-SLAB = 1 << 20  # elements computed per step (bounds scratch memory)
+SLAB = 1 << 22  # elements per step when a cast needs scratch memory
 _MAX_REPORTED = 20
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# sign | exponent <= bias - 1 | mantissa: finite, |x| < 1
+_FLOAT_MASKS = {torch.bfloat16: 0xBF7F, torch.float16: 0xBBFF, torch.float32: 0xBF7FFFFF,
+                torch.float64: 0xBFEFFFFFFFFFFFFF}
 
 
-@lru_cache(maxsize=None)
-def _table(dtype: torch.dtype, seed: int, ndim: int) -> torch.Tensor:
-    """``T`` repeated ``max(ndim, 1)`` times (the per-dim sums stay below ``ndim * P``)."""
-    g = torch.Generator().manual_seed(0x5EED_0000 + seed)
+def _bits_format(dtype: torch.dtype) -> tuple[torch.dtype, int]:
+    """(integer dtype the values are built in, mask) for a logical dtype."""
+    if dtype in _FLOAT_MASKS:
+        return _INT_OF_WIDTH[dtype.itemsize], _FLOAT_MASKS[dtype]
     if dtype.is_floating_point or dtype.is_complex:
-        base = (torch.rand(P, generator=g, dtype=torch.float64) * 2 - 1).to(torch.float32).to(dtype)
-    elif dtype == torch.bool:
-        base = torch.randint(0, 2, (P,), generator=g).to(torch.bool)
+        raise TypeError(f"reshard.verify: no test values for dtype {dtype}")
+    if dtype == torch.bool:
+        return torch.uint8, 1
+    return (dtype if dtype != torch.uint8 else torch.uint8), 0x7F
+
+
+def _signed(value: int, width_bytes: int) -> int:
+    bits = 8 * width_bytes
+    return value - (1 << bits) if value >= 1 << (bits - 1) else value
+
+
+@lru_cache(maxsize=4096)
+def _dim_table(name: str, dim: int, n: int, seed: int, int_dtype: torch.dtype, mask: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(zlib.crc32(f"{seed}\0{name}\0{dim}".encode()))
+    width = int_dtype.itemsize
+    if int_dtype == torch.uint8:
+        t = torch.randint(0, 256, (n,), generator=g, dtype=torch.int64).to(torch.uint8)
     else:
-        lo, hi = (0, 256) if dtype == torch.uint8 else (-128, 128)
-        base = torch.randint(lo, hi, (P,), generator=g).to(dtype)
-    return base.repeat(max(ndim, 1))
+        lo = -(1 << (8 * width - 1))
+        t = torch.randint(lo, -lo - 1, (n,), generator=g, dtype=torch.int64).to(int_dtype)
+    return t & _signed(mask, width) if int_dtype != torch.uint8 else t & mask
 
 
-def _coefficients(name: str, seed: int) -> tuple[int, int]:
-    h = zlib.crc32(f"{seed}:{name}".encode())
-    h2 = zlib.crc32(f"{name}:{seed}:a".encode())
-    return 1 + h2 % (P - 1), h % P
+def _write_bits(tables: list[torch.Tensor], out_bits: torch.Tensor) -> None:
+    """``out_bits[i0, i1, ...] = tables[0][i0] ^ tables[1][i1] ^ ...`` (broadcast, in place)."""
+    nd = len(tables)
+    if nd == 1:
+        out_bits.copy_(tables[0])
+        return
+    shaped = [t.view((-1,) + (1,) * (nd - 1 - d)) for d, t in enumerate(tables)]
+    if nd == 2:
+        torch.bitwise_xor(shaped[0], shaped[1], out=out_bits)
+        return
+    out_bits.copy_(shaped[0].expand_as(out_bits))
+    for t in shaped[1:]:
+        out_bits.bitwise_xor_(t)
 
 
 def values(name: str, shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[int], dtype: torch.dtype,
-           seed: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The test values of box ``offsets/sizes`` of tensor ``name`` (full shape ``shape``) in ``dtype``.
+           seed: int = 0, out: torch.Tensor | None = None, *, logical_dtype: torch.dtype | None = None
+           ) -> torch.Tensor:
+    """The test values of box ``offsets/sizes`` of tensor ``name`` (full shape ``shape``), in ``dtype``.
 
-    Written into ``out`` (any view of the box's shape) if given, else a new tensor.
+    ``logical_dtype`` is the tensor's own dtype (default ``dtype``): values are defined
+    in it and cast to ``dtype``. Written into ``out`` (any view of the box's shape) if
+    given, else into a new tensor.
     """
     shape, offsets, sizes = tuple(map(int, shape)), tuple(map(int, offsets)), tuple(map(int, sizes))
+    logical = logical_dtype or dtype
     if out is None:
         out = torch.empty(sizes, dtype=dtype)
     if math.prod(sizes) == 0:
         return out
-    a, c = _coefficients(name, seed)
-    table = _table(dtype, seed, len(shape)).to(out.device)
-    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
-    per_dim = []
-    for d, (o, n, s) in enumerate(zip(offsets, sizes, strides)):
-        v = (torch.arange(o, o + n, dtype=torch.int64, device=out.device) * ((a * s) % P)) % P
-        if d == 0:
-            v = (v + c) % P
-        per_dim.append(v.to(torch.int32))
-    if not per_dim:  # 0-d tensor: element 0
-        out.copy_(table[c])
+    int_dtype, mask = _bits_format(logical)
+    dev = out.device
+    tables = [_dim_table(name, d, n, seed, int_dtype, mask)[o:o + k].to(dev)
+              for d, (n, o, k) in enumerate(zip(shape, offsets, sizes))]
+    if not tables:  # 0-d tensor
+        tables = [_dim_table(name, 0, 1, seed, int_dtype, mask).to(dev).view(())]
+
+    def as_logical(bits: torch.Tensor) -> torch.Tensor:
+        return bits.view(logical) if logical != torch.bool else bits != 0
+
+    if out.dtype == logical and logical != torch.bool and (logical.is_floating_point or logical == int_dtype):
+        _write_bits(tables, out.view(int_dtype) if logical != int_dtype else out)
         return out
-    # slabs along the outermost dim whose trailing block fits SLAB elements
-    inner = math.prod(sizes)
-    split_dim = 0
-    for split_dim, n in enumerate(sizes):
-        inner //= n
-        if inner <= SLAB:
-            break
+    if len(sizes) == 0:
+        out.copy_(as_logical(tables[0]))
+        return out
+    inner = math.prod(sizes[1:])
     rows = max(1, SLAB // max(inner, 1))
-    for outer in itertools.product(*(range(n) for n in sizes[:split_dim])):
-        base = torch.zeros((), dtype=torch.int32, device=out.device)
-        for d, i in enumerate(outer):
-            base = base + per_dim[d][i]
-        target = out[outer] if outer else out
-        for start in range(0, sizes[split_dim], rows):
-            stop = min(start + rows, sizes[split_dim])
-            idx = per_dim[split_dim][start:stop].view((-1,) + (1,) * (len(sizes) - split_dim - 1)) + base
-            for k, v in enumerate(per_dim[split_dim + 1:], start=split_dim + 1):
-                idx = idx + v.view((-1,) + (1,) * (len(sizes) - k - 1))
-            dst = target[start:stop]
-            if dst.is_contiguous():
-                torch.index_select(table, 0, idx.reshape(-1), out=dst.view(-1))
-            else:
-                dst.copy_(torch.index_select(table, 0, idx.reshape(-1)).view(dst.shape))
+    for start in range(0, sizes[0], rows):
+        stop = min(start + rows, sizes[0])
+        scratch = torch.empty((stop - start,) + sizes[1:], dtype=int_dtype, device=dev)
+        _write_bits([tables[0][start:stop]] + tables[1:], scratch)
+        out[start:stop].copy_(as_logical(scratch))
     return out
 
 
@@ -113,7 +136,7 @@ def fill(layout: Layout, rank: int, device: torch.device | str = "cpu", seed: in
     for p in layout.pieces(rank):
         spec = layout.specs[p.tensor]
         view = buffer_view(bufs[p.buffer], p.buffer_offsets, p.sizes)
-        values(p.tensor, spec.shape, p.offsets, p.sizes, view.dtype, seed, out=view)
+        values(p.tensor, spec.shape, p.offsets, p.sizes, view.dtype, seed, out=view, logical_dtype=spec.dtype)
     return bufs
 
 
@@ -155,7 +178,7 @@ def check_destination(layout: Layout, rank: int, buffers: Mapping[str, torch.Ten
             want = buffer_view(expected[p.buffer], p.buffer_offsets, p.sizes)
         else:
             want = values(p.tensor, spec.shape, p.offsets, p.sizes, got.dtype, seed,
-                          out=torch.empty(p.sizes, dtype=got.dtype, device=got.device))
+                          out=torch.empty(p.sizes, dtype=got.dtype, device=got.device), logical_dtype=spec.dtype)
         gb, wb = _bits(got), _bits(want)
         if torch.equal(gb, wb):
             continue
