@@ -31,7 +31,7 @@ import torch
 
 from .intersect import FANOUT, LOCAL, REMOTE, TensorItems, tensor_items
 from .layout import Layout, LayoutError, PieceTable, dtype_class
-from .schedule import Copy, Message, chunk_stream, pair_quota
+from .schedule import ALIGN, Copy, Message, chunk_stream, pair_quota
 
 PLAN_FORMAT = 1
 
@@ -128,8 +128,8 @@ class Plan:
     """All copies of a refit from ``source`` to ``destination`` (see module doc)."""
 
     def __init__(self, source: Layout, destination: Layout, *, max_bucket_bytes: int | None = None) -> None:
-        if max_bucket_bytes is not None and max_bucket_bytes < 64:
-            raise ValueError(f"max_bucket_bytes={max_bucket_bytes} is too small (minimum 64)")
+        if max_bucket_bytes is not None and max_bucket_bytes < ALIGN:
+            raise ValueError(f"max_bucket_bytes={max_bucket_bytes} is smaller than {ALIGN} bytes")
         _check_pair(source, destination)
         self.source = source
         self.destination = destination
@@ -156,7 +156,9 @@ class Plan:
             piece = np.where(items.kind == REMOTE, -1, items.source)
             single = (items.kind == REMOTE) & (items.cand_count == 1)
             piece[single] = items.candidates[items.cand_start[single]]
-            rank = np.where(items.kind == FANOUT, dt.ranks[items.dst_piece], st.ranks[np.maximum(piece, 0)])
+            rank = dt.ranks[items.dst_piece].copy()  # fan-out: the destination rank itself
+            from_source = items.kind != FANOUT
+            rank[from_source] = st.ranks[piece[from_source]]
             multi = np.flatnonzero((items.kind == REMOTE) & (items.cand_count > 1))
             self._groups.append(_Group(
                 items, names, np.array([position[n] for n in names], np.int64), piece, rank,
@@ -164,6 +166,14 @@ class Plan:
                 multi, np.zeros((n_inst, len(multi)), np.int64), np.zeros((n_inst, len(multi)), np.int64),
             ))
         self._choose_sources()
+        if max_bucket_bytes is not None:
+            need = self.min_bucket_bytes
+            if max_bucket_bytes < need:
+                busiest = max(self._streams, key=lambda r: (self._streams[r], -r))
+                raise ValueError(
+                    f"max_bucket_bytes={max_bucket_bytes} is too small for this plan: rank {busiest} exchanges "
+                    f"{self._streams[busiest]} messages per round, which needs at least {need} bytes"
+                )
 
     # ------------------------------------------------------------------ source choice
     def _choose_sources(self) -> None:
@@ -246,12 +256,18 @@ class Plan:
         return max(vals) / mean if mean else 1.0
 
     @cached_property
-    def _peers(self) -> dict[int, int]:
-        peers: dict[int, set[int]] = defaultdict(set)
+    def _streams(self) -> dict[int, int]:
+        """Per rank, how many streams it stages each round: peers it sends to plus peers it receives from."""
+        streams: dict[int, int] = defaultdict(int)
         for s, d in self.pair_bytes:
-            peers[s].add(d)
-            peers[d].add(s)
-        return {r: len(p) for r, p in peers.items()}
+            streams[s] += 1
+            streams[d] += 1
+        return dict(streams)
+
+    @property
+    def min_bucket_bytes(self) -> int:
+        """Smallest ``max_bucket_bytes`` this plan's layouts allow (one aligned element per stream)."""
+        return ALIGN * max(self._streams.values(), default=1)
 
     @cached_property
     def _all_rank_plans(self) -> dict[int, RankPlan]:
@@ -331,10 +347,10 @@ class Plan:
                     out.fanout.append(c)
                 else:
                     streams[(s, int(g.dst_rank[k]))].append((int(g.tensor_index[i]), k, c))
-        peers = self._peers
+        per_rank = self._streams
         for (s, d), entries in sorted(streams.items()):
             entries.sort(key=lambda e: (e[0], e[1]))
-            quota = pair_quota(self.max_bucket_bytes, peers.get(s, 1), peers.get(d, 1))
+            quota = pair_quota(self.max_bucket_bytes, per_rank[s], per_rank[d])
             for j, chunk in enumerate(chunk_stream([e[2] for e in entries], quota)):
                 msg_s = Message(d, j, chunk)
                 (out.sends if s == rank else out.recvs).append(msg_s if s == rank else Message(s, j, chunk))

@@ -2,8 +2,8 @@
 
 All copies from rank ``s`` to rank ``d`` form one ordered stream. With a staging
 cap ``B`` (``max_bucket_bytes``), every pair gets a per-round quota
-``q = B // max(peers(s), peers(d))``, where ``peers(x)`` counts the ranks ``x``
-sends to or receives from. The stream is cut into chunks of at most ``q`` bytes
+``q = B // max(streams(s), streams(d))`` (rounded down to :data:`ALIGN`), where
+``streams(x)`` counts the ranks ``x`` sends to plus the ranks it receives from. The stream is cut into chunks of at most ``q`` bytes
 (a copy bigger than what is left is split along its outer rows) and chunk ``j``
 travels in round ``j``. A rank then stages at most ``sum(q) <= B`` bytes per round,
 and both ends compute the same chunks from the same stream without talking.
@@ -123,9 +123,13 @@ def chunk_stream(copies: list[Copy], quota: int | None) -> list[list[Copy]]:
     return chunks
 
 
-def pair_quota(max_bucket_bytes: int | None, peers_of_src: int, peers_of_dst: int) -> int | None:
-    """Per-round byte quota of one pair (see module doc); ``None`` means unbounded."""
+def pair_quota(max_bucket_bytes: int | None, streams_of_src: int, streams_of_dst: int) -> int | None:
+    """Per-round byte quota of one pair (see module doc); ``None`` means unbounded.
+
+    ``streams_of_x`` counts the messages rank ``x`` stages per round (sends plus receives),
+    so each rank's quotas add up to at most ``max_bucket_bytes``.
+    """
     if max_bucket_bytes is None:
         return None
-    q = max_bucket_bytes // max(peers_of_src, peers_of_dst, 1)
-    return q - q % ALIGN if q >= ALIGN else q
+    q = max_bucket_bytes // max(streams_of_src, streams_of_dst, 1)
+    return q - q % ALIGN
