@@ -9,8 +9,7 @@ import torch
 
 from .demo_model import QWEN3_0_6B, ModelConfig
 
-DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-          "fp32": torch.float32, "float32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def _positive(s: str) -> int:
@@ -34,22 +33,23 @@ def _demo_parser(sub) -> argparse.ArgumentParser:
             "tp ranks. It runs the reshard executor and then the gather-and-broadcast baseline, verifies every "
             "destination byte after each, and prints wall time, wire bytes, bytes received per destination, "
             "peak staging memory and the speedup. Exits with status 1 if any byte is wrong. "
-            "The defaults take about a minute on a 2-core machine and need about 10 GB of memory; use "
-            "--layers/--vocab or --scale to shrink the model."),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+            "The defaults (the full 0.75 B-parameter model, 4 -> 4 ranks) take 30-60 s on a 2-core machine "
+            "and about 8 GB of memory in all (8 processes); use --layers, --vocab or "
+            "--scale to shrink the model."),
     )
     g = p.add_argument_group("ranks")
     g.add_argument("--sources", "-M", type=_positive, default=4, metavar="M",
-                   help="number of source (training) ranks; every tensor is Shard(0) over them, torch.chunk split")
+                   help="number of source (training) ranks, 0..M-1; every tensor is Shard(0) over them with "
+                        "the torch.chunk split rule, as FSDP2 shards (default %(default)s)")
     g.add_argument("--tp", type=_positive, default=2,
-                   help="tensor-parallel size of each inference replica; must divide heads, kv heads, "
-                        "intermediate size and vocab")
+                   help="tensor-parallel size of each inference replica; must divide the heads, kv heads, "
+                        "intermediate size and vocab (1, 2, 4 or 8 for the default model) (default %(default)s)")
     g.add_argument("--dp", type=_positive, default=2,
                    help="number of inference replicas (data parallel); destination ranks N = tp x dp, each "
-                        "replica a group of tp consecutive ranks")
+                        "replica a group of tp consecutive ranks (default %(default)s)")
     g.add_argument("--colocate", action="store_true",
                    help="put destination ranks on ranks 0..N-1 (shared with the sources) instead of M..M+N-1; "
-                        "bytes a rank already holds are then copied locally, not sent")
+                        "bytes a rank already holds are then copied locally, not sent (default: separate ranks)")
     m = p.add_argument_group("model (Qwen3-style; defaults are Qwen3-0.6B)")
     m.add_argument("--layers", type=_positive, default=None, help=f"decoder layers (default {d.layers})")
     m.add_argument("--hidden", type=_positive, default=None, help=f"hidden size (default {d.hidden})")
@@ -62,21 +62,28 @@ def _demo_parser(sub) -> argparse.ArgumentParser:
     m.add_argument("--scale", type=float, default=None,
                    help="shrink (or grow) the model: multiplies the number of layers and the vocabulary by this "
                         "factor (vocab rounded to a multiple of 64 x tp); explicit --layers/--vocab win")
-    m.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="dtype of the weights (both sides)")
+    m.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
+                   help="dtype of the weights, and of the inference-side buffers (default %(default)s)")
     m.add_argument("--source-dtype", choices=sorted(DTYPES), default=None,
                    help="dtype of the training-side buffers if different (e.g. fp32 master weights); the "
-                        "executors cast to --dtype on the sender")
+                        "executors cast to --dtype on the sender (default: same as --dtype)")
     r = p.add_argument_group("run")
     r.add_argument("--max-bucket-mb", type=float, default=64.0,
                    help="staging cap per rank in MiB (max_bucket_bytes): the reshard executor splits the transfer "
-                        "into rounds so that its send + receive staging stays under it; 0 means no cap")
+                        "into rounds so that its send + receive staging stays under it; 0 means no cap "
+                        "(default %(default)s)")
     r.add_argument("--repeat", type=_positive, default=1,
-                   help="runs per method; the table reports the best (each run's time is its slowest rank's)")
-    r.add_argument("--seed", type=int, default=0, help="seed of the test values written into the source buffers")
+                   help="runs per method; the table reports the best (each run's time is its slowest rank's); "
+                        "destination buffers are zeroed before, and verified after, every run (default %(default)s)")
+    r.add_argument("--seed", type=int, default=0,
+                   help="seed of the test values written into the source buffers (default %(default)s)")
     r.add_argument("--methods", default="reshard,gather-broadcast",
-                   help="comma-separated methods to run, of: reshard, gather-broadcast")
-    r.add_argument("--json", metavar="PATH", default=None, help="also write the collected figures to PATH as JSON")
-    r.add_argument("--quiet", action="store_true", help="no progress display while running")
+                   help="comma-separated methods to run, in order, of: reshard, gather-broadcast "
+                        "(default %(default)s)")
+    r.add_argument("--json", metavar="PATH", default=None,
+                   help="also write the collected figures (per-run times, bytes, plan facts) to PATH as JSON")
+    r.add_argument("--quiet", action="store_true",
+                   help="no progress display while running; print only the header and the final table")
     p.set_defaults(func=_demo)
     return p
 

@@ -12,11 +12,12 @@ returns as a dict; :func:`print_report` turns that into the table.
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Callable
 
 import torch
@@ -56,39 +57,37 @@ class DemoConfig:
 
 
 class DemoFailed(RuntimeError):
-    """Verification found wrong bytes (the message lists them) or a rank failed."""
+    """A rank failed (crashed, timed out, raised); wrong bytes are reported in the result instead."""
 
 
 # ---------------------------------------------------------------------------------------- ranks
-@dataclass
 class _Phases:
-    """Rank 0's view of the phases; the others stay quiet."""
+    """Runs the phases, each ended by a barrier; rank 0 shows them as they go, the others stay quiet."""
 
-    show: bool
-    names: list[str]
-    seconds: dict[str, float] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
+    def __init__(self, show: bool, total: int) -> None:
+        self.seconds: dict[str, float] = {}
         self.progress = None
-        if self.show:
+        if show:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, \
                 TimeElapsedColumn
 
             self.progress = Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(),
                                      MofNCompleteColumn(), TimeElapsedColumn(), transient=True)
             self.progress.start()
-            self.task = self.progress.add_task("starting", total=len(self.names))
+            self.task = self.progress.add_task("starting", total=total)
 
-    def run(self, name: str, fn: Callable):
+    def run(self, name: str, fn: Callable, key: str | None = None):
+        """``fn()``, then a barrier; the time (rank 0's, barrier included) adds up under ``key``."""
         if self.progress is not None:
             self.progress.update(self.task, description=name)
         t = time.perf_counter()
         out = fn()
         dist.barrier()
         dt = time.perf_counter() - t
-        self.seconds[name] = self.seconds.get(name, 0.0) + dt
+        key = key or name
+        self.seconds[key] = self.seconds.get(key, 0.0) + dt
         if self.progress is not None:
-            self.progress.console.print(f"  [green]done[/]  {name:<34} {dt:7.2f} s")
+            self.progress.console.print(f"  [green]done[/]  {name:<36} {dt:7.2f} s")
             self.progress.advance(self.task)
         return out
 
@@ -99,13 +98,9 @@ class _Phases:
 
 def _worker(rank: int, world: int, cfg: DemoConfig, result_path: str) -> None:
     lay = cfg.layouts()
-    is_src, is_dst = rank in lay.source_ranks, rank in lay.destination_ranks
-    names = ["planning", "filling source buffers"]
-    for m in cfg.methods:
-        names += [f"{m} run" + (f" x{cfg.repeat}" if cfg.repeat > 1 else ""), f"verify after {m}"]
-    ph = _Phases(cfg.progress and rank == 0, names)
+    ph = _Phases(cfg.progress and rank == 0, 2 + 2 * len(cfg.methods) * cfg.repeat)
     try:
-        result = _refit(rank, world, cfg, lay, ph, names)
+        result = _refit(rank, world, cfg, lay, ph)
     finally:
         ph.close()
     if rank == 0:
@@ -113,48 +108,48 @@ def _worker(rank: int, world: int, cfg: DemoConfig, result_path: str) -> None:
             json.dump(result, f)
 
 
-def _refit(rank: int, world: int, cfg: DemoConfig, lay: DemoLayouts, ph: _Phases, names: list[str]) -> dict:
+def _refit(rank: int, world: int, cfg: DemoConfig, lay: DemoLayouts, ph: _Phases) -> dict:
     def planning():
         t = time.perf_counter()
         p = make_plan(lay.source, lay.destination, max_bucket_bytes=cfg.max_bucket_bytes)
         return p, time.perf_counter() - t
 
-    plan, planner_s = ph.run(names[0], planning)
+    plan, planner_s = ph.run("planning (every rank)", planning, "planning")
 
     def filling():
         src = verify.fill_source(lay.source, rank, seed=cfg.seed) if rank in lay.source_ranks else {}
-        expected = verify.fill(lay.destination, rank, seed=cfg.seed) if rank in lay.destination_ranks else {}
-        return src, expected, lay.destination.empty_buffers(rank)
+        return src, lay.destination.empty_buffers(rank)
 
-    src_bufs, expected, dst_bufs = ph.run(names[1], filling)
+    src_bufs, dst_bufs = ph.run("filling source buffers", filling, "filling")
     methods = {}
-    for k, method in enumerate(cfg.methods):
+    for method in cfg.methods:
         t = time.perf_counter()
         ex = ReshardExecutor(plan) if method == RESHARD else GatherBroadcastExecutor(plan)
         setup_s = time.perf_counter() - t
 
-        def runs():
-            out = []
-            for _ in range(cfg.repeat):
-                for b in dst_bufs.values():
-                    b.zero_()
-                dist.barrier()
-                t0 = time.perf_counter()
-                stats = ex.run(src_bufs, dst_bufs)
-                wall = time.perf_counter() - t0
-                dist.barrier()
-                out.append((wall, stats))
-            return out
+        def one_run():
+            for b in dst_bufs.values():
+                b.zero_()
+            dist.barrier()
+            t0 = time.perf_counter()
+            stats = ex.run(src_bufs, dst_bufs)
+            return time.perf_counter() - t0, stats
 
-        reps = ph.run(names[2 + 2 * k], runs)
-        bad = ph.run(names[3 + 2 * k], lambda: verify.check_destination(
-            lay.destination, rank, dst_bufs, seed=cfg.seed, expected=expected))
+        reps, bad = [], []
+        for i in range(cfg.repeat):
+            n = f" {i + 1}/{cfg.repeat}" if cfg.repeat > 1 else ""
+            reps.append(ph.run(f"{method} run{n}", one_run, f"{method} run"))
+            bad += ph.run(f"verify after {method}{n}",
+                          lambda: verify.check_destination(lay.destination, rank, dst_bufs, seed=cfg.seed),
+                          f"verify after {method}")
         seen: list = [None] * world
         dist.all_gather_object(seen, (rank, setup_s, [(w, asdict(s)) for w, s in reps], bad))
         methods[method] = _method_summary(seen, lay, cfg.repeat)
     peak_dst = max((largest_piece_bytes(lay, r) for r in lay.destination_ranks), default=0)
+    part = plan.for_rank(rank)
+    largest_copy = max((c.nbytes for m in part.sends + part.recvs for c in m.copies), default=0)
     facts: list = [None] * world
-    dist.all_gather_object(facts, (planner_s, len(plan.for_rank(rank).sends)))
+    dist.all_gather_object(facts, (planner_s, len(part.sends), largest_copy))
     return {
         "config": _config_dict(cfg, lay),
         "plan": {
@@ -163,6 +158,7 @@ def _refit(rank: int, world: int, cfg: DemoConfig, lay: DemoLayouts, ph: _Phases
             "fingerprint": plan.fingerprint(), "planner_s": max(f[0] for f in facts),
             "messages": sum(f[1] for f in facts), "rounds": methods.get(RESHARD, {}).get("rounds"),
             "max_bucket_bytes": cfg.max_bucket_bytes, "largest_piece_bytes": peak_dst,
+            "largest_copy_bytes": max(f[2] for f in facts),
         },
         "methods": methods,
         "phases": ph.seconds,
@@ -171,19 +167,14 @@ def _refit(rank: int, world: int, cfg: DemoConfig, lay: DemoLayouts, ph: _Phases
 
 def largest_piece_bytes(lay: DemoLayouts, rank: int) -> int:
     """Largest destination piece of ``rank``, in bytes (for the staging bound)."""
-    out = 0
-    for p in lay.destination.pieces(rank):
-        dt = lay.destination.buffer_spec(rank, p.buffer)[1]
-        n = 1
-        for s in p.sizes:
-            n *= s
-        out = max(out, n * torch.empty((), dtype=dt).element_size())
-    return out
+    return max((math.prod(p.sizes) * lay.destination.buffer_spec(rank, p.buffer)[1].itemsize
+                for p in lay.destination.pieces(rank)), default=0)
 
 
 def _method_summary(seen: list, lay: DemoLayouts, repeat: int) -> dict:
     walls = [max(s[2][i][0] for s in seen) for i in range(repeat)]  # slowest rank, per repeat
     last = {r: reps[-1][1] for r, _, reps, _ in seen}
+    peak = max(st["peak_staging_bytes"] for _, _, reps, _ in seen for _, st in reps)
     return {
         "wall_s": walls,
         "best_s": min(walls),
@@ -191,7 +182,7 @@ def _method_summary(seen: list, lay: DemoLayouts, repeat: int) -> dict:
         "setup_s": max(s[1] for s in seen),
         "wire_bytes": sum(st["sent_bytes"] for st in last.values()),
         "max_recv_bytes": max((last[r]["recv_bytes"] for r in lay.destination_ranks), default=0),
-        "peak_staging_bytes": max(st["peak_staging_bytes"] for st in last.values()),
+        "peak_staging_bytes": peak,
         "rounds": max(st["rounds"] for st in last.values()),
         "mismatches": [m for _, _, _, bad in seen for m in bad],
     }
@@ -214,8 +205,8 @@ def _config_dict(cfg: DemoConfig, lay: DemoLayouts) -> dict:
 def run_demo(cfg: DemoConfig) -> dict:
     """Spawn the ranks, run the refit with every method, return rank 0's figures.
 
-    Raises :class:`DemoFailed` if any destination byte is wrong (after printing nothing:
-    the caller reports) or a rank fails.
+    Wrong destination bytes do not raise: they are listed in the result (see
+    :func:`failures`). Raises :class:`DemoFailed` if a rank fails.
     """
     lay = cfg.layouts()  # fail fast on a bad config, before spawning anything
     fd, path = tempfile.mkstemp(prefix="reshard-demo-", suffix=".json")
@@ -249,14 +240,16 @@ def report_table(result: dict):
 
     c = result["config"]
     rep = c["repeat"]
-    t = Table(title=f"refit {c['sources']} -> {c['destinations']} ranks (tp={c['tp']} x dp={c['dp']}), "
+    coloc = ", colocated" if c["colocate"] else ""
+    t = Table(title=f"refit {c['sources']} -> {c['destinations']} ranks (tp={c['tp']} x dp={c['dp']}{coloc}), "
                     f"{c['params'] / 1e9:.3f} B params, {c['model_bytes'] / 1e9:.2f} GB",
-              caption=("wall time: slowest rank" + (f", best of {rep} runs" if rep > 1 else "")
-                       + "; wire bytes: all ranks' sends, in destination dtype"))
-    for col, just in [("method", "left"), ("wall time (s)", "right"), ("wire bytes (GB)", "right"),
-                      ("recv / dest rank, max (GB)", "right"), ("peak staging / rank, max", "right"),
-                      ("speedup vs gather-bcast", "right")]:
-        t.add_column(col, justify=just)
+              caption=("time: wall time of the slowest rank" + (f", best of {rep} runs" if rep > 1 else "")
+                       + "; wire: bytes all ranks sent to other ranks (in the destination dtype); recv/dst: most "
+                         "bytes any destination rank received; staging/rank: most bytes any rank held in "
+                         "transfer buffers; speedup: vs gather-broadcast"), caption_justify="left")
+    t.add_column("method", no_wrap=True)
+    for col in ["time s", "wire GB", "recv/dst GB", "staging/rank", "speedup"]:
+        t.add_column(col, justify="right", no_wrap=True)
     base = result["methods"].get(GATHER_BROADCAST, {}).get("best_s")
     for name, r in result["methods"].items():
         speed = f"{base / r['best_s']:.2f}x" if base and r["best_s"] > 0 else "-"
@@ -276,6 +269,8 @@ def print_report(result: dict, console=None) -> None:
     from rich.console import Console
 
     console = console or Console()
+    if not console.is_terminal and console.width < 100:  # logs and pipes: room for the table
+        console.width = 100
     console.print(report_table(result))
     console.print(plan_line(result))
     bad = failures(result)

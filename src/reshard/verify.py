@@ -2,26 +2,30 @@
 
 The value of element ``(i0, i1, ...)`` of tensor ``name`` is built from its bits::
 
-    bits = (T0[i0] ^ T1[i1] ^ ...) & MASK        # one random table per (tensor, dim, seed)
-    value = bits viewed as the tensor's dtype    # e.g. bf16 in (-1, 1)
+    bits = ((T0[i0] ^ T1[i1] ^ ...) & KEEP) | SET   # one random table per (tensor, dim, seed)
+    value = bits viewed as the tensor's dtype       # e.g. bf16
 
 ``Td`` is a table of ``shape[d]`` random integers of the dtype's width, seeded by a
-hash of the tensor name, the dim and the seed, and ``MASK`` keeps the sign and
-mantissa and caps the exponent, so float values are finite and lie in (-1, 1)
-(integers in 0..127, bools 0/1). Hence:
+hash of the tensor name, the dim and the seed. For floats ``KEEP`` keeps the sign,
+the mantissa and the two low exponent bits and ``SET`` fixes the others, so every
+value is a normal number with 2^-7 <= |x| < 2^-3, like a weight (integers lie in
+0..127, bools are 0/1). Hence:
 
 - any rank computes just the boxes it holds: slices of the tables and one
   broadcast XOR per dim, written straight into the buffer's view (hundreds of
   millions of elements per second per core, no model-sized scratch);
 - a value depends on the tensor and on every coordinate, so misplaced,
-  transposed, shifted, swapped or missing data shows up as mismatches (rare
-  coincidences are possible: bf16 has ~32 k values in (-1, 1));
+  transposed, shifted or swapped data shows up as mismatches; zero is never a
+  value, so elements left unwritten always do. A single element replaced by
+  another value of the same set (1024 of them in bf16) escapes with odds of
+  about 1 in 1000; a wrong row or box does not;
 - values are defined in the tensor's logical dtype and cast to the buffer's
   (``Tensor.to``), so the expected value of a destination element is exactly what
   a sender-side cast of the source value gives (fp32 source -> bf16 destination).
 
 ``fill`` / ``fill_source`` give a rank's buffers filled with these values;
-``check_destination`` compares a rank's destination buffers bit for bit.
+``check_destination`` compares a rank's destination buffers bit for bit, slab by
+slab, without a second copy of them.
 """
 
 from __future__ import annotations
@@ -35,23 +39,26 @@ import torch
 
 from .layout import Layout, box_str, buffer_view
 
-SLAB = 1 << 22  # elements per step when a cast needs scratch memory
+SLAB = 1 << 22  # elements per step where scratch memory is needed (casts, checking)
 _MAX_REPORTED = 20
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-# sign | exponent <= bias - 1 | mantissa: finite, |x| < 1
-_FLOAT_MASKS = {torch.bfloat16: 0xBF7F, torch.float16: 0xBBFF, torch.float32: 0xBF7FFFFF,
-                torch.float64: 0xBFEFFFFFFFFFFFFF}
+# (mantissa bits, exponent bits, exponent bias) of the float formats
+_FLOAT_FORMATS = {torch.bfloat16: (7, 8, 127), torch.float16: (10, 5, 15), torch.float32: (23, 8, 127),
+                  torch.float64: (52, 11, 1023)}
 
 
-def _bits_format(dtype: torch.dtype) -> tuple[torch.dtype, int]:
-    """(integer dtype the values are built in, mask) for a logical dtype."""
-    if dtype in _FLOAT_MASKS:
-        return _INT_OF_WIDTH[dtype.itemsize], _FLOAT_MASKS[dtype]
+def _bits_format(dtype: torch.dtype) -> tuple[torch.dtype, int, int]:
+    """(integer dtype the values are built in, KEEP, SET) for a logical dtype (see module doc)."""
+    if dtype in _FLOAT_FORMATS:
+        mant, exp, bias = _FLOAT_FORMATS[dtype]
+        sign = 1 << (mant + exp)
+        keep = sign | (3 << mant) | ((1 << mant) - 1)  # sign, 2 low exponent bits, mantissa
+        return _INT_OF_WIDTH[dtype.itemsize], keep, (bias - 7) << mant  # exponent in bias-7 .. bias-4
     if dtype.is_floating_point or dtype.is_complex:
         raise TypeError(f"reshard.verify: no test values for dtype {dtype}")
     if dtype == torch.bool:
-        return torch.uint8, 1
-    return (dtype if dtype != torch.uint8 else torch.uint8), 0x7F
+        return torch.uint8, 1, 0
+    return dtype, 0x7F, 0
 
 
 def _signed(value: int, width_bytes: int) -> int:
@@ -60,7 +67,8 @@ def _signed(value: int, width_bytes: int) -> int:
 
 
 @lru_cache(maxsize=4096)
-def _dim_table(name: str, dim: int, n: int, seed: int, int_dtype: torch.dtype, mask: int) -> torch.Tensor:
+def _dim_table(name: str, dim: int, n: int, seed: int, int_dtype: torch.dtype, keep: int, set_bits: int
+               ) -> torch.Tensor:
     g = torch.Generator().manual_seed(zlib.crc32(f"{seed}\0{name}\0{dim}".encode()))
     width = int_dtype.itemsize
     if int_dtype == torch.uint8:
@@ -68,7 +76,9 @@ def _dim_table(name: str, dim: int, n: int, seed: int, int_dtype: torch.dtype, m
     else:
         lo = -(1 << (8 * width - 1))
         t = torch.randint(lo, -lo - 1, (n,), generator=g, dtype=torch.int64).to(int_dtype)
-    return t & _signed(mask, width) if int_dtype != torch.uint8 else t & mask
+    if int_dtype == torch.uint8:
+        return (t & keep) | set_bits
+    return (t & _signed(keep, width)) | _signed(set_bits, width)
 
 
 def _write_bits(tables: list[torch.Tensor], out_bits: torch.Tensor) -> None:
@@ -101,12 +111,13 @@ def values(name: str, shape: Sequence[int], offsets: Sequence[int], sizes: Seque
         out = torch.empty(sizes, dtype=dtype)
     if math.prod(sizes) == 0:
         return out
-    int_dtype, mask = _bits_format(logical)
+    int_dtype, keep, set_bits = _bits_format(logical)
     dev = out.device
-    tables = [_dim_table(name, d, n, seed, int_dtype, mask)[o:o + k].to(dev)
+    # SET goes into dim 0's table only: the others have zeros there, so the XOR keeps it
+    tables = [_dim_table(name, d, n, seed, int_dtype, keep, set_bits if d == 0 else 0)[o:o + k].to(dev)
               for d, (n, o, k) in enumerate(zip(shape, offsets, sizes))]
     if not tables:  # 0-d tensor
-        tables = [_dim_table(name, 0, 1, seed, int_dtype, mask).to(dev).view(())]
+        tables = [_dim_table(name, 0, 1, seed, int_dtype, keep, set_bits).to(dev).view(())]
 
     def as_logical(bits: torch.Tensor) -> torch.Tensor:
         return bits.view(logical) if logical != torch.bool else bits != 0
@@ -150,53 +161,80 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     """``t`` viewed as integers of the same width, so comparisons are bit-exact (NaN, -0.0)."""
     if t.dtype == torch.bool:
         return t.view(torch.uint8)
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-    if t.is_complex():
-        t = torch.view_as_real(t)
-    return t.view(ints[t.element_size()]) if t.is_floating_point() else t
+    return t.view(_INT_OF_WIDTH[t.element_size()]) if t.is_floating_point() else t
 
 
-def check_destination(layout: Layout, rank: int, buffers: Mapping[str, torch.Tensor], seed: int = 0,
-                      expected: Mapping[str, torch.Tensor] | None = None) -> list[str]:
+def check_destination(layout: Layout, rank: int, buffers: Mapping[str, torch.Tensor], seed: int = 0
+                      ) -> list[str]:
     """Mismatches between ``rank``'s destination ``buffers`` and the test values, bit for bit.
 
     Returns one description per piece that differs (tensor name, rank, box, how many
-    elements, where, first wrong value), ``[]`` when every piece is right.
-    ``expected`` (from :func:`fill` on ``layout``) saves recomputing the values when
-    checking the same rank several times.
+    elements, the box that holds them, the first wrong value), ``[]`` when every piece
+    is right. Expected values are computed slab by slab into one small scratch tensor,
+    so checking needs no second copy of the buffers.
     """
     out: list[str] = []
+    scratch: dict[torch.dtype, torch.Tensor] = {}
     for p in layout.pieces(rank):
         spec = layout.specs[p.tensor]
         buf = buffers.get(p.buffer)
         if buf is None:
             out.append(f"tensor {p.tensor!r} rank {rank}: box {box_str(p.offsets, p.sizes)}: buffer {p.buffer!r} "
-                       f"missing")
+                       f"was not given")
             continue
         got = buffer_view(buf, p.buffer_offsets, p.sizes)
-        if expected is not None:
-            want = buffer_view(expected[p.buffer], p.buffer_offsets, p.sizes)
-        else:
-            want = values(p.tensor, spec.shape, p.offsets, p.sizes, got.dtype, seed,
-                          out=torch.empty(p.sizes, dtype=got.dtype, device=got.device), logical_dtype=spec.dtype)
-        gb, wb = _bits(got), _bits(want)
-        if torch.equal(gb, wb):
+        bad = _compare_piece(p, spec, got, seed, scratch)
+        if bad is None:
             continue
-        bad = gb != wb
-        if bad.dim() > len(p.sizes):  # complex: real/imag pair
-            bad = bad.any(dim=-1)
-        where = bad.nonzero()
-        lo = where.min(dim=0).values.tolist()
-        hi = where.max(dim=0).values.tolist()
-        first = tuple(where[0].tolist())
+        count, lo, hi, first, got_v, want_v = bad
         glob = tuple(o + i for o, i in zip(p.offsets, first))
         sub = box_str([o + a for o, a in zip(p.offsets, lo)], [b - a + 1 for a, b in zip(lo, hi)])
         out.append(
             f"tensor {p.tensor!r} rank {rank}: box {box_str(p.offsets, p.sizes)} (buffer {p.buffer!r}): "
-            f"{len(where)} of {got.numel()} elements differ, within {sub}; first at {glob}: "
-            f"got {got[first].item()!r}, expected {want[first].item()!r}"
+            f"{count} of {got.numel()} elements differ, within {sub}; first at {glob}: "
+            f"got {got_v!r}, expected {want_v!r}"
         )
         if len(out) >= _MAX_REPORTED:
             out.append(f"rank {rank}: stopped after {_MAX_REPORTED} mismatching pieces")
             break
     return out
+
+
+def _compare_piece(p, spec, got: torch.Tensor, seed: int, scratch: dict):
+    """``None`` if the piece holds its test values, else (count, lo, hi, first, got, expected)."""
+    sizes = tuple(p.sizes)
+    if got.numel() == 0:
+        return None
+    inner = math.prod(sizes[1:])
+    rows = max(1, SLAB // max(inner, 1)) if sizes else 1
+    count, lo, hi, first, pair = 0, None, None, None, None
+    for start in range(0, sizes[0] if sizes else 1, rows):
+        stop = min(start + rows, sizes[0]) if sizes else 1
+        shape = ((stop - start,) + sizes[1:]) if sizes else ()
+        n = math.prod(shape)
+        buf = scratch.get(got.dtype)
+        if buf is None or buf.numel() < n:
+            buf = scratch[got.dtype] = torch.empty(max(n, SLAB), dtype=got.dtype, device=got.device)
+        want = buf[:n].view(shape)
+        offs = tuple(p.offsets)
+        if sizes:
+            offs = (offs[0] + start,) + offs[1:]
+        values(p.tensor, spec.shape, offs, shape, got.dtype, seed, out=want, logical_dtype=spec.dtype)
+        part = got[start:stop] if sizes else got
+        gb, wb = _bits(part), _bits(want)
+        if torch.equal(gb, wb):
+            continue
+        where = (gb != wb).nonzero()
+        if sizes:
+            where[:, 0] += start
+        count += len(where)
+        wlo, whi = where.min(dim=0).values.tolist(), where.max(dim=0).values.tolist()
+        lo = wlo if lo is None else [min(a, b) for a, b in zip(lo, wlo)]
+        hi = whi if hi is None else [max(a, b) for a, b in zip(hi, whi)]
+        if first is None:
+            first = tuple(where[0].tolist())
+            local = ((first[0] - start,) + first[1:]) if sizes else ()
+            pair = (part[local].item(), want[local].item())
+    if count == 0:
+        return None
+    return count, lo, hi, first, pair[0], pair[1]

@@ -1,0 +1,124 @@
+"""The demo path: model specs and layouts, test values and their checker, one real multi-process demo run."""
+
+import pytest
+import torch
+
+import reshard as rs
+from reshard import verify
+from reshard.cli import build_parser, main, model_from_args
+from reshard.demo import GATHER_BROADCAST, RESHARD, DemoConfig, failures, run_demo
+from reshard.demo_model import QWEN3_0_6B, ModelConfig, demo_layouts, model_specs
+
+TINY = ModelConfig(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab=256)
+
+
+def test_default_model_is_qwen3_0_6b_sized():
+    specs = {s.name: s for s in model_specs(QWEN3_0_6B)}
+    assert len(specs) == 1 + 28 * 11 + 2
+    assert specs["model.layers.0.self_attn.q_proj.weight"].shape == (2048, 1024)
+    assert specs["model.layers.27.self_attn.k_proj.weight"].shape == (1024, 1024)
+    assert specs["model.layers.3.mlp.down_proj.weight"].shape == (1024, 3072)
+    assert specs["lm_head.weight"].shape == (151936, 1024)
+    assert all(s.dtype == torch.bfloat16 for s in specs.values())
+    assert 0.7e9 < QWEN3_0_6B.num_params < 0.8e9
+
+
+def test_inference_layout_is_tensor_parallel_with_replicas():
+    lay = demo_layouts(TINY, sources=3, tp=2, dp=2)
+    assert lay.source_ranks == [0, 1, 2] and lay.destination_ranks == [3, 4, 5, 6]
+    dst = lay.destination
+
+    def box(rank, name):
+        (p,) = [p for p in dst.pieces(rank) if p.tensor == name]
+        return p.offsets, p.sizes
+
+    q, o = "model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.o_proj.weight"
+    assert box(3, q) == ((0, 0), (32, 64)) and box(4, q) == ((32, 0), (32, 64))  # column-parallel
+    assert box(3, o) == ((0, 0), (64, 32)) and box(4, o) == ((0, 32), (64, 32))  # row-parallel
+    assert box(5, q) == box(3, q) and box(6, o) == box(4, o)  # second replica
+    assert box(4, "model.norm.weight") == ((0,), (64,))  # replicated
+    src = lay.source  # FSDP2: Shard(0), torch.chunk split of 256 vocab rows over 3 ranks
+    assert [p.sizes for p in src.pieces(2) if p.tensor == "lm_head.weight"] == [(84, 64)]
+
+
+def test_tp_must_divide_heads():
+    with pytest.raises(rs.LayoutError, match="tensor parallel size 3 does not divide"):
+        demo_layouts(TINY, sources=2, tp=3)
+
+
+def test_values_are_deterministic_and_box_consistent():
+    shape = (10, 7, 3)
+    full = verify.values("w", shape, (0, 0, 0), shape, torch.bfloat16, seed=1)
+    sub = verify.values("w", shape, (2, 3, 1), (5, 4, 2), torch.bfloat16, seed=1)
+    assert torch.equal(sub, full[2:7, 3:7, 1:3])
+    assert not torch.equal(full, verify.values("w", shape, (0, 0, 0), shape, torch.bfloat16, seed=2))
+    assert not torch.equal(full, verify.values("v", shape, (0, 0, 0), shape, torch.bfloat16, seed=1))
+    a = full.float().abs()
+    assert ((a >= 2 ** -7) & (a < 2 ** -3)).all()
+    # defined in the logical dtype, then cast: fp32 source values cast to bf16 are the bf16 expectations
+    f32 = verify.values("w", shape, (0, 0, 0), shape, torch.float32, seed=1)
+    assert torch.equal(verify.values("w", shape, (0, 0, 0), shape, torch.bfloat16, seed=1,
+                                     logical_dtype=torch.float32), f32.to(torch.bfloat16))
+
+
+def test_fill_then_run_local_checks_clean_with_cast():
+    lay = demo_layouts(TINY, sources=2, tp=2, dp=2, src_dtype=torch.float32)
+    plan = rs.plan(lay.source, lay.destination, max_bucket_bytes=4096)
+    src = {r: verify.fill_source(lay.source, r) for r in lay.source_ranks}
+    assert src[0]["model.embed_tokens.weight"].dtype == torch.float32
+    dst = {r: lay.destination.empty_buffers(r) for r in lay.destination_ranks}
+    rs.run_local(plan, src, dst)
+    for r in lay.destination_ranks:
+        assert verify.check_destination(lay.destination, r, dst[r]) == []
+
+
+def test_check_destination_names_one_flipped_element():
+    lay = demo_layouts(TINY, sources=2, tp=2)
+    rank = lay.destination_ranks[1]
+    bufs = verify.fill(lay.destination, rank)
+    assert verify.check_destination(lay.destination, rank, bufs) == []
+    name = "model.layers.1.mlp.gate_proj.weight"
+    bufs[name].view(torch.int16)[5, 7] ^= 1  # one bit of one element (rank 3 holds rows 64:128)
+    (msg,) = verify.check_destination(lay.destination, rank, bufs)
+    assert f"tensor {name!r} rank {rank}: box [64:128, 0:64]" in msg
+    assert "1 of 4096 elements differ, within [69:70, 7:8]; first at (69, 7)" in msg
+
+
+def test_check_destination_reports_missing_data_across_slabs(monkeypatch):
+    monkeypatch.setattr(verify, "SLAB", 64)  # many slabs per piece
+    lay = demo_layouts(TINY, sources=2, tp=2)
+    rank = lay.destination_ranks[0]
+    bufs = verify.fill(lay.destination, rank)
+    bufs["model.embed_tokens.weight"][3, 60] = 0
+    bufs["model.embed_tokens.weight"][100, 7] = 0
+    (msg,) = verify.check_destination(lay.destination, rank, bufs)
+    assert "'model.embed_tokens.weight' rank 2: box [0:128, 0:64]" in msg
+    assert "2 of 8192 elements differ, within [3:101, 7:61]; first at (3, 60)" in msg
+
+
+def test_cli_parses_every_option_and_scales_the_model():
+    args = build_parser().parse_args(["demo", "--scale", "0.25", "--tp", "4", "--dp", "1", "--sources", "3"])
+    cfg = model_from_args(args)
+    assert cfg.layers == 7 and cfg.vocab % 256 == 0 and cfg.hidden == 1024
+    args = build_parser().parse_args(["demo", "--layers", "3", "--vocab", "512", "--dtype", "fp32"])
+    assert model_from_args(args) == QWEN3_0_6B.with_overrides(layers=3, vocab=512, dtype=torch.float32)
+    assert main(["demo", "--tp", "3"]) == 2  # 16 heads do not divide by 3: refused before spawning
+
+
+@pytest.mark.slow
+def test_demo_end_to_end_both_methods_bit_exact():
+    cfg = DemoConfig(model=TINY, sources=3, tp=2, dp=1, max_bucket_bytes=16 << 10, progress=False)
+    res = run_demo(cfg)
+    assert failures(res) == []
+    lay = cfg.layouts()
+    plan = rs.plan(lay.source, lay.destination, max_bucket_bytes=cfg.max_bucket_bytes)
+    assert res["plan"]["fingerprint"] == plan.fingerprint()
+    assert res["methods"][RESHARD]["wire_bytes"] == plan.wire_bytes == res["plan"]["wire_bytes"]
+    # the minimum: nothing is colocated, so each destination rank receives every element it holds
+    held = sum(p.sizes[0] * (p.sizes[1] if len(p.sizes) > 1 else 1) * 2 for r in lay.destination_ranks
+               for p in lay.destination.pieces(r))
+    assert plan.wire_bytes == held
+    gb = rs.gather_broadcast_bytes(plan)
+    assert res["methods"][GATHER_BROADCAST]["wire_bytes"] == gb["gather"] + gb["broadcast"]
+    assert res["plan"]["rounds"] > 1  # the 16 KiB cap forces several rounds
+    assert res["methods"][RESHARD]["peak_staging_bytes"] <= cfg.max_bucket_bytes + res["plan"]["largest_copy_bytes"]
