@@ -42,7 +42,7 @@ def dtype_class(dtype: torch.dtype) -> str:
 
 
 def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -337,6 +337,11 @@ class Layout:
         if len(self._dtypes) == 1:
             return np.full(len(t), itemsize(next(iter(self._dtypes))), np.int64)
         return np.array([itemsize(self._buffers[r][b][1]) for r, b in zip(t.ranks.tolist(), t.buffers)], np.int64)
+
+    def piece_dtypes(self, name: str) -> list[torch.dtype]:
+        """The dtype of the buffer each piece of ``name`` lives in."""
+        t = self.tables[name]
+        return [self._buffers[r][b][1] for r, b in zip(t.ranks.tolist(), t.buffers)]
 
     def empty_buffers(self, rank: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """Zero-filled buffers of ``rank`` (e.g. destination parameters before a refit)."""

@@ -210,17 +210,18 @@ class Plan:
     @cached_property
     def pair_bytes(self) -> dict[tuple[int, int], int]:
         """Bytes sent from rank s to rank d, ``{(s, d): bytes}``, distinct ranks only."""
-        out: dict[tuple[int, int], int] = defaultdict(int)
-        for s, d, b in self._rows(REMOTE):
-            if not len(s):
-                continue
-            width = int(max(s.max(), d.max())) + 1
-            key = s * width + d
-            uniq, inv = np.unique(key, return_inverse=True)
-            sums = np.bincount(inv, weights=b).astype(np.int64)
-            for u, v in zip(uniq.tolist(), sums.tolist()):
-                out[(u // width, u % width)] += v
-        return dict(sorted(out.items()))
+        rows = list(self._rows(REMOTE))
+        if not rows:
+            return {}
+        s = np.concatenate([r[0] for r in rows])
+        d = np.concatenate([r[1] for r in rows])
+        b = np.concatenate([r[2] for r in rows])
+        if not len(s):
+            return {}
+        width = int(max(s.max(), d.max())) + 1
+        uniq, inv = np.unique(s * width + d, return_inverse=True)
+        sums = np.bincount(inv.reshape(-1), weights=b, minlength=len(uniq))
+        return {(u // width, u % width): int(v) for u, v in zip(uniq.tolist(), sums.tolist())}
 
     @cached_property
     def wire_bytes(self) -> int:
@@ -331,51 +332,63 @@ class Plan:
         out = RankPlan(rank)
         streams: dict[tuple[int, int], list[tuple[int, int, Copy]]] = defaultdict(list)
         for g in self._groups:
-            fixed = (g.choice_of < 0) & ((g.rank == rank) | (g.dst_rank == rank))
-            cols = np.flatnonzero(fixed)
-            pairs = [(i, k) for i in range(len(g.tensors)) for k in cols.tolist()]
+            cols = np.flatnonzero((g.choice_of < 0) & ((g.rank == rank) | (g.dst_rank == rank)))
+            inst = np.repeat(np.arange(len(g.tensors)), len(cols))
+            item = np.tile(cols, len(g.tensors))
+            piece, src_rank = g.piece[item], g.rank[item]
             if len(g.choice_cols):
-                mine = (g.choice_rank == rank) | (g.dst_rank[g.choice_cols][None, :] == rank)
-                pairs += [(int(i), int(g.choice_cols[j])) for i, j in zip(*np.nonzero(mine))]
-            for i, k in pairs:
-                kind = int(g.items.kind[k])
-                sp, s = g.source_of(i, k)
-                c = self._copy(g, i, k, sp)
-                if kind == LOCAL:
-                    out.local.append(c)
-                elif kind == FANOUT:
-                    out.fanout.append(c)
-                else:
-                    streams[(s, int(g.dst_rank[k]))].append((int(g.tensor_index[i]), k, c))
+                ci, cj = np.nonzero((g.choice_rank == rank) | (g.dst_rank[g.choice_cols][None, :] == rank))
+                inst = np.concatenate([inst, ci])
+                item = np.concatenate([item, g.choice_cols[cj]])
+                piece = np.concatenate([piece, g.choice_piece[ci, cj]])
+                src_rank = np.concatenate([src_rank, g.choice_rank[ci, cj]])
+            for i in np.unique(inst).tolist():
+                sel = inst == i
+                for c, kind, k, s in zip(self._copies(g, i, item[sel], piece[sel]), g.items.kind[item[sel]].tolist(),
+                                         item[sel].tolist(), src_rank[sel].tolist()):
+                    if kind == LOCAL:
+                        out.local.append(c)
+                    elif kind == FANOUT:
+                        out.fanout.append(c)
+                    else:
+                        streams[(s, int(g.dst_rank[k]))].append((int(g.tensor_index[i]), k, c))
         per_rank = self._streams
         for (s, d), entries in sorted(streams.items()):
             entries.sort(key=lambda e: (e[0], e[1]))
             quota = pair_quota(self.max_bucket_bytes, per_rank[s], per_rank[d])
             for j, chunk in enumerate(chunk_stream([e[2] for e in entries], quota)):
-                msg_s = Message(d, j, chunk)
-                (out.sends if s == rank else out.recvs).append(msg_s if s == rank else Message(s, j, chunk))
+                (out.sends if s == rank else out.recvs).append(Message(d if s == rank else s, j, chunk))
         out.sends.sort(key=lambda m: (m.round, m.peer))
         out.recvs.sort(key=lambda m: (m.round, m.peer))
         return out
 
-    def _copy(self, g: _Group, i: int, k: int, sp: int) -> Copy:
+    def _copies(self, g: _Group, i: int, items: np.ndarray, pieces: np.ndarray) -> list[Copy]:
+        """Copy records of ``items`` of instance ``i`` whose source pieces are ``pieces``
+        (for fan-out items: destination pieces)."""
         name = g.tensors[i]
         it = g.items
-        kind = int(it.kind[k])
-        dt = self.destination.tables[name]
-        st = dt if kind == FANOUT else self.source.tables[name]
-        dp = int(it.dst_piece[k])
-        off = it.offsets[k]
+        dt, st = self.destination.tables[name], self.source.tables[name]
+        off, dp = it.offsets[items], it.dst_piece[items]
+        fan = it.kind[items] == FANOUT
+        src_buf: list = [None] * len(items)
+        src_off: list = [None] * len(items)
+        for table, rows in ((st, np.flatnonzero(~fan)), (dt, np.flatnonzero(fan))):
+            for r, bo in zip(rows.tolist(), _placed(table, pieces[rows], off[rows]).tolist()):
+                src_buf[r] = table.buffers[pieces[r]]
+                src_off[r] = tuple(bo)
+        dst_off = _placed(dt, dp, off).tolist()
+        dtypes = self.destination.piece_dtypes(name)
+        return [Copy(name, tuple(o), tuple(z), sb, so, dt.buffers[q], tuple(do), dtypes[q])
+                for o, z, sb, so, q, do in zip(off.tolist(), it.sizes[items].tolist(), src_buf, src_off,
+                                               dp.tolist(), dst_off)]
 
-        def place(t: PieceTable, p: int) -> tuple[int, ...]:
-            bo = t.buffer_offsets[p].copy()
-            bo[len(bo) - len(off):] += off - t.offsets[p]
-            return tuple(bo.tolist())
 
-        dst_rank = int(dt.ranks[dp])
-        dtype = self.destination.buffer_spec(dst_rank, dt.buffers[dp])[1]
-        return Copy(name, tuple(off.tolist()), tuple(it.sizes[k].tolist()), st.buffers[sp], place(st, sp),
-                    dt.buffers[dp], place(dt, dp), dtype)
+def _placed(table: PieceTable, pieces: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Where boxes at tensor ``offsets`` sit inside the buffers of ``pieces``: buffer offsets per row."""
+    bo = table.buffer_offsets[pieces].copy()
+    d = offsets.shape[1]
+    bo[:, bo.shape[1] - d:] += offsets - table.offsets[pieces]
+    return bo
 
 
 def plan(source: Layout, destination: Layout, *, max_bucket_bytes: int | None = None) -> Plan:

@@ -47,7 +47,7 @@ class Copy(NamedTuple):
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * self.dtype.itemsize
 
     def narrow(self, dim: int, start: int, length: int) -> "Copy":
         """The sub-copy ``start:start+length`` along tensor dim ``dim``."""
@@ -80,7 +80,7 @@ class Message:
 
 def split_copy(c: Copy, max_bytes: int) -> list[Copy]:
     """Cut ``c`` into row-major consecutive sub-copies of at most ``max_bytes`` each."""
-    esize = torch.empty((), dtype=c.dtype).element_size()
+    esize = c.dtype.itemsize
     max_elems = max_bytes // esize
     if max_elems < 1:
         raise ValueError(f"max_bucket_bytes share {max_bytes} is smaller than one {c.dtype} element of {c.tensor!r}")
