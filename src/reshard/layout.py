@@ -329,13 +329,18 @@ class Layout:
         except KeyError:
             raise LayoutError(f"rank {rank} has no buffer {name!r}") from None
 
+    @property
+    def single_dtype(self) -> torch.dtype | None:
+        """The dtype of every buffer, if they all share one."""
+        if self._dtypes is None:
+            self._dtypes = {dt for named in self._buffers.values() for _, dt in named.values()}
+        return next(iter(self._dtypes)) if len(self._dtypes) == 1 else None
+
     def itemsizes(self, name: str) -> np.ndarray:
         """Bytes per element of the buffer each piece of ``name`` lives in (int64 [k])."""
         t = self.tables[name]
-        if self._dtypes is None:
-            self._dtypes = {dt for named in self._buffers.values() for _, dt in named.values()}
-        if len(self._dtypes) == 1:
-            return np.full(len(t), itemsize(next(iter(self._dtypes))), np.int64)
+        if self.single_dtype is not None:
+            return np.full(len(t), self.single_dtype.itemsize, np.int64)
         return np.array([itemsize(self._buffers[r][b][1]) for r, b in zip(t.ranks.tolist(), t.buffers)], np.int64)
 
     def piece_dtypes(self, name: str) -> list[torch.dtype]:

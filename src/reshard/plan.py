@@ -148,9 +148,13 @@ class Plan:
             st, dt = source.tables[first], destination.tables[first]
             items = tensor_items(first, st, dt)
             volume = items.sizes.prod(axis=1) if len(items) else np.zeros(0, np.int64)
-            sizes = [destination.itemsizes(n) for n in names]
-            same = all(np.array_equal(sizes[0], x) for x in sizes[1:])
-            isz = (sizes[0][None, :] if same else np.stack(sizes))[:, items.dst_piece]
+            if destination.single_dtype is not None:  # the common case: one itemsize everywhere
+                isz = np.full((1, len(dt)), destination.single_dtype.itemsize, np.int64)
+            else:
+                sizes = [destination.itemsizes(n) for n in names]
+                same = all(np.array_equal(sizes[0], x) for x in sizes[1:])
+                isz = sizes[0][None, :] if same else np.stack(sizes)
+            isz = isz[:, items.dst_piece]
             n_inst = len(names)
             # a remote copy with one candidate needs no choice
             piece = np.where(items.kind == REMOTE, -1, items.source)
