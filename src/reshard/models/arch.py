@@ -1,0 +1,254 @@
+"""Architectures of the model families reshard knows, and their logical tensors.
+
+An :class:`Arch` holds the handful of config values that decide every weight's
+name and shape; :func:`model_specs` lists the tensors as Hugging Face checkpoints
+name them (``[out_features, in_features]`` for linear layers). Presets are built
+from the published ``config.json`` values; nothing is downloaded.
+
+Families and what differs::
+
+    family        attention           MLP                                   extras
+    llama         GQA q/k/v/o         gate/up/down
+    qwen3         GQA + q/k norms     gate/up/down
+    qwen3_moe     GQA + q/k norms     router + E experts (gate/up/down)
+    deepseek_v3   MLA (low-rank q,kv) first k layers dense, then router      MTP layers
+                                      (+ score bias) + E experts + shared
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Mapping
+
+import torch
+
+from ..layout import LayoutError, TensorSpec
+
+FAMILIES = ("llama", "qwen3", "qwen3_moe", "deepseek_v3")
+
+
+@dataclass(frozen=True)
+class Arch:
+    """Config values that decide a model's tensors (names follow HF ``config.json``)."""
+
+    family: str
+    hidden: int
+    layers: int
+    vocab: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    tie_embeddings: bool = False
+    dtype: torch.dtype = torch.bfloat16
+    # mixture of experts
+    experts: int = 0
+    moe_intermediate: int = 0
+    shared_experts: int = 0
+    first_dense_layers: int = 0
+    # multi-head latent attention (DeepSeek-V3)
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    mtp_layers: int = 0
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise LayoutError(f"unknown model family {self.family!r}; known: {', '.join(FAMILIES)}")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.family == "deepseek_v3"
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.is_moe and layer >= self.first_dense_layers
+
+    def with_overrides(self, **kw) -> "Arch":
+        return replace(self, **{k: v for k, v in kw.items() if v is not None})
+
+    @property
+    def num_params(self) -> int:
+        return sum(s.numel for s in model_specs(self))
+
+
+def _deepseek(**kw) -> Arch:
+    base = dict(family="deepseek_v3", hidden=7168, layers=61, vocab=129280, heads=128, kv_heads=128, head_dim=192,
+                intermediate=18432, experts=256, moe_intermediate=2048, shared_experts=1, first_dense_layers=3,
+                q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+    base.update(kw)
+    return Arch(**base)
+
+
+PRESETS: dict[str, Arch] = {
+    "qwen3-0.6b": Arch("qwen3", 1024, 28, 151936, 16, 8, 128, 3072, tie_embeddings=True),
+    "qwen3-8b": Arch("qwen3", 4096, 36, 151936, 32, 8, 128, 12288),
+    "qwen3-32b": Arch("qwen3", 5120, 64, 151936, 64, 8, 128, 25600),
+    "qwen3-30b-a3b": Arch("qwen3_moe", 2048, 48, 151936, 32, 4, 128, 6144, experts=128, moe_intermediate=768),
+    "qwen3-235b-a22b": Arch("qwen3_moe", 4096, 94, 151936, 64, 4, 128, 12288, experts=128, moe_intermediate=1536),
+    "deepseek-v3": _deepseek(),
+    "deepseek-v3-mtp": _deepseek(mtp_layers=1),
+    "kimi-k2": _deepseek(heads=64, kv_heads=64, vocab=163840, experts=384, first_dense_layers=1),
+    "llama-3-8b": Arch("llama", 4096, 32, 128256, 32, 8, 128, 14336),
+    "llama-3-70b": Arch("llama", 8192, 80, 128256, 64, 8, 128, 28672),
+}
+
+
+def get_arch(name: str) -> Arch:
+    """A preset by name (``deepseek-v3``, ``qwen3-30b-a3b``, ...)."""
+    try:
+        return PRESETS[name.lower()]
+    except KeyError:
+        raise LayoutError(f"unknown model {name!r}; known: {', '.join(PRESETS)}") from None
+
+
+_MODEL_TYPES = {"llama": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "deepseek_v3": "deepseek_v3",
+                "kimi_k2": "deepseek_v3"}
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def from_hf_config(config: Mapping) -> Arch:
+    """An :class:`Arch` from a Hugging Face ``config.json`` dict of a known family."""
+    cfg = dict(config)
+    model_type = cfg.get("model_type")
+    family = _MODEL_TYPES.get(model_type)
+    if family is None:
+        raise LayoutError(f"unsupported model_type {model_type!r}; supported: {', '.join(_MODEL_TYPES)}")
+    heads = cfg["num_attention_heads"]
+    kw = dict(
+        family=family, hidden=cfg["hidden_size"], layers=cfg["num_hidden_layers"], vocab=cfg["vocab_size"],
+        heads=heads, kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, intermediate=cfg.get("intermediate_size", 0),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        dtype=_DTYPES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"), torch.bfloat16),
+    )
+    if family == "qwen3_moe":
+        if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
+            raise LayoutError("qwen3_moe configs with mlp_only_layers or decoder_sparse_step != 1 are not supported")
+        kw.update(experts=cfg["num_experts"], moe_intermediate=cfg["moe_intermediate_size"])
+    if family == "deepseek_v3":
+        kw.update(
+            experts=cfg["n_routed_experts"], moe_intermediate=cfg["moe_intermediate_size"],
+            shared_experts=cfg.get("n_shared_experts") or 0, first_dense_layers=cfg.get("first_k_dense_replace", 0),
+            q_lora_rank=cfg.get("q_lora_rank"), kv_lora_rank=cfg["kv_lora_rank"],
+            qk_nope_head_dim=cfg["qk_nope_head_dim"], qk_rope_head_dim=cfg["qk_rope_head_dim"],
+            v_head_dim=cfg["v_head_dim"], mtp_layers=cfg.get("num_nextn_predict_layers", 0) or 0,
+            head_dim=cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"],
+        )
+    return Arch(**kw)
+
+
+def to_hf_config(arch: Arch) -> dict:
+    """The ``config.json`` fields of ``arch`` (enough for :func:`from_hf_config` and for building
+    small random models with transformers)."""
+    d = asdict(arch)
+    cfg = {
+        "model_type": arch.family, "hidden_size": arch.hidden, "num_hidden_layers": arch.layers,
+        "vocab_size": arch.vocab, "num_attention_heads": arch.heads, "num_key_value_heads": arch.kv_heads,
+        "head_dim": arch.head_dim, "intermediate_size": arch.intermediate,
+        "tie_word_embeddings": arch.tie_embeddings, "torch_dtype": str(d["dtype"]).removeprefix("torch."),
+    }
+    if arch.family == "qwen3_moe":
+        cfg.update(num_experts=arch.experts, moe_intermediate_size=arch.moe_intermediate)
+    if arch.family == "deepseek_v3":
+        cfg.update(n_routed_experts=arch.experts, moe_intermediate_size=arch.moe_intermediate,
+                   n_shared_experts=arch.shared_experts, first_k_dense_replace=arch.first_dense_layers,
+                   q_lora_rank=arch.q_lora_rank, kv_lora_rank=arch.kv_lora_rank,
+                   qk_nope_head_dim=arch.qk_nope_head_dim, qk_rope_head_dim=arch.qk_rope_head_dim,
+                   v_head_dim=arch.v_head_dim, num_nextn_predict_layers=arch.mtp_layers)
+    return cfg
+
+
+def _attention(a: Arch, p: str) -> list[tuple[str, tuple[int, ...]]]:
+    if a.is_mla:
+        qk = a.qk_nope_head_dim + a.qk_rope_head_dim
+        out = []
+        if a.q_lora_rank:
+            out += [(p + "self_attn.q_a_proj.weight", (a.q_lora_rank, a.hidden)),
+                    (p + "self_attn.q_a_layernorm.weight", (a.q_lora_rank,)),
+                    (p + "self_attn.q_b_proj.weight", (a.heads * qk, a.q_lora_rank))]
+        else:
+            out += [(p + "self_attn.q_proj.weight", (a.heads * qk, a.hidden))]
+        return out + [
+            (p + "self_attn.kv_a_proj_with_mqa.weight", (a.kv_lora_rank + a.qk_rope_head_dim, a.hidden)),
+            (p + "self_attn.kv_a_layernorm.weight", (a.kv_lora_rank,)),
+            (p + "self_attn.kv_b_proj.weight", (a.heads * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank)),
+            (p + "self_attn.o_proj.weight", (a.hidden, a.heads * a.v_head_dim)),
+        ]
+    out = [
+        (p + "self_attn.q_proj.weight", (a.heads * a.head_dim, a.hidden)),
+        (p + "self_attn.k_proj.weight", (a.kv_heads * a.head_dim, a.hidden)),
+        (p + "self_attn.v_proj.weight", (a.kv_heads * a.head_dim, a.hidden)),
+        (p + "self_attn.o_proj.weight", (a.hidden, a.heads * a.head_dim)),
+    ]
+    if a.family in ("qwen3", "qwen3_moe"):
+        out += [(p + "self_attn.q_norm.weight", (a.head_dim,)), (p + "self_attn.k_norm.weight", (a.head_dim,))]
+    return out
+
+
+def _mlp(prefix: str, hidden: int, inter: int) -> list[tuple[str, tuple[int, ...]]]:
+    return [(prefix + "gate_proj.weight", (inter, hidden)), (prefix + "up_proj.weight", (inter, hidden)),
+            (prefix + "down_proj.weight", (hidden, inter))]
+
+
+def _layer(a: Arch, i: int) -> list[tuple[str, tuple[int, ...]]]:
+    p = f"model.layers.{i}."
+    out = [(p + "input_layernorm.weight", (a.hidden,))] + _attention(a, p)
+    out.append((p + "post_attention_layernorm.weight", (a.hidden,)))
+    if not a.is_moe_layer(i):
+        return out + _mlp(p + "mlp.", a.hidden, a.intermediate)
+    out.append((p + "mlp.gate.weight", (a.experts, a.hidden)))
+    if a.is_mla:
+        out.append((p + "mlp.gate.e_score_correction_bias", (a.experts,)))
+    for e in range(a.experts):
+        out += _mlp(f"{p}mlp.experts.{e}.", a.hidden, a.moe_intermediate)
+    if a.shared_experts:
+        out += _mlp(p + "mlp.shared_experts.", a.hidden, a.shared_experts * a.moe_intermediate)
+    return out
+
+
+def model_specs(a: Arch) -> list[TensorSpec]:
+    """Every logical tensor of ``a``, in checkpoint order (embedding, layers, norm, head, MTP)."""
+    named = [("model.embed_tokens.weight", (a.vocab, a.hidden))]
+    for i in range(a.layers):
+        named += _layer(a, i)
+    named.append(("model.norm.weight", (a.hidden,)))
+    if not a.tie_embeddings:
+        named.append(("lm_head.weight", (a.vocab, a.hidden)))
+    for j in range(a.mtp_layers):  # DeepSeek-V3 multi-token prediction: an extra decoder layer and its heads
+        i = a.layers + j
+        p = f"model.layers.{i}."
+        named += [(p + "enorm.weight", (a.hidden,)), (p + "hnorm.weight", (a.hidden,)),
+                  (p + "eh_proj.weight", (a.hidden, 2 * a.hidden)), (p + "embed_tokens.weight", (a.vocab, a.hidden)),
+                  (p + "shared_head.norm.weight", (a.hidden,)), (p + "shared_head.head.weight", (a.vocab, a.hidden))]
+        named += _layer(a, i)
+    fp32 = (".e_score_correction_bias",)
+    return [TensorSpec(n, s, torch.float32 if n.endswith(fp32) else a.dtype) for n, s in named]
+
+
+CATEGORIES = ("attention", "dense_mlp", "experts", "embeddings", "norms", "router")
+
+
+def category(name: str) -> str:
+    """Which part of the model a tensor belongs to, for byte accounting."""
+    if ".experts." in name or ".shared_experts." in name:
+        return "experts"
+    if name.endswith(("norm.weight", "layernorm.weight")) or ".enorm." in name or ".hnorm." in name:
+        return "norms"
+    if ".mlp.gate." in name:
+        return "router"
+    if "embed_tokens" in name or name.endswith("head.weight"):
+        return "embeddings"
+    if ".self_attn." in name or ".eh_proj." in name:
+        return "attention"
+    return "dense_mlp"
+
+
+def from_module(module: torch.nn.Module) -> list[TensorSpec]:
+    """The logical tensors of a live module, from ``named_parameters`` (full shapes of DTensors)."""
+    return [TensorSpec(name, tuple(p.shape), p.dtype) for name, p in module.named_parameters()]
