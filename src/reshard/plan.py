@@ -232,6 +232,15 @@ class Plan:
         """Bytes copied between distinct ranks (in destination dtypes)."""
         return sum(self.pair_bytes.values())
 
+    def tensor_wire_bytes(self) -> dict[str, int]:
+        """Bytes of each tensor that cross between ranks, ``{name: bytes}``."""
+        out = {}
+        for g in self._groups:
+            remote = np.flatnonzero(g.items.kind == REMOTE)
+            per_instance = g.nbytes[:, remote].sum(axis=1)
+            out.update(zip(g.tensors, per_instance.tolist()))
+        return out
+
     @cached_property
     def local_bytes(self) -> int:
         """Bytes copied within a rank (local source replicas and fan-out)."""
