@@ -153,10 +153,12 @@ def to_hf_config(arch: Arch) -> dict:
         "head_dim": arch.head_dim, "intermediate_size": arch.intermediate,
         "tie_word_embeddings": arch.tie_embeddings, "torch_dtype": str(d["dtype"]).removeprefix("torch."),
     }
-    if arch.family == "qwen3_moe":
-        cfg.update(num_experts=arch.experts, moe_intermediate_size=arch.moe_intermediate)
-    if arch.family == "deepseek_v3":
-        cfg.update(n_routed_experts=arch.experts, moe_intermediate_size=arch.moe_intermediate,
+    if arch.family == "qwen3_moe":  # routing top-k does not change tensors; keep it valid for tiny models
+        cfg.update(num_experts=arch.experts, moe_intermediate_size=arch.moe_intermediate,
+                   num_experts_per_tok=min(8, arch.experts))
+    if arch.family == "deepseek_v3":  # transformers reads head_dim as the rotary part of a q/k head
+        cfg.update(head_dim=arch.qk_rope_head_dim, num_experts_per_tok=min(8, arch.experts),
+                   n_group=1, topk_group=1, n_routed_experts=arch.experts, moe_intermediate_size=arch.moe_intermediate,
                    n_shared_experts=arch.shared_experts, first_k_dense_replace=arch.first_dense_layers,
                    q_lora_rank=arch.q_lora_rank, kv_lora_rank=arch.kv_lora_rank,
                    qk_nope_head_dim=arch.qk_nope_head_dim, qk_rope_head_dim=arch.qk_rope_head_dim,
