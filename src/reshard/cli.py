@@ -1,4 +1,4 @@
-"""Command line: ``reshard demo`` (also ``python -m reshard demo``)."""
+"""Command line: ``reshard demo`` and ``reshard plan`` (also ``python -m reshard ...``)."""
 
 from __future__ import annotations
 
@@ -143,12 +143,60 @@ def _demo(args) -> int:
     return 1 if failures(result) else 0
 
 
+def _plan_parser(sub) -> argparse.ArgumentParser:
+    from .models import PRESETS
+
+    p = sub.add_parser(
+        "plan", help="plan a whole model's refit between two parallel configurations and summarize it",
+        description=(
+            "Build the training-side layout (Megatron-Core or FSDP2) and the inference-side layout (vLLM) of a "
+            "named model, plan the refit, and print what moves: tensors, pieces, bytes by category, per-rank "
+            "maximum send and receive with the balance, and the bytes gather-and-broadcast would move. "
+            "Nothing is run and no process group is formed. Example: reshard plan --model deepseek-v3 "
+            "--train tp1,ep16,pp4,dp2 --infer tp8,dp16"),
+    )
+    p.add_argument("--model", required=True, choices=sorted(PRESETS), metavar="MODEL",
+                   help=f"model preset, one of: {', '.join(sorted(PRESETS))}")
+    p.add_argument("--train", required=True, metavar="SPEC",
+                   help="training parallelism: Megatron sizes like tp1,ep16,pp4,dp2 (with ep > 1, dp counts "
+                        "replicas of the expert grid: world = etp x ep x pp x dp; else world = tp x cp x pp x dp), "
+                        "or fsdp:dp64[,tp8][,hsdp2] for FSDP2")
+    p.add_argument("--infer", required=True, metavar="SPEC",
+                   help="inference parallelism (vLLM): tp8,dp16 = 16 engines of 8 ranks; add ep for expert parallel")
+    p.add_argument("--max-bucket-mb", type=float, default=0,
+                   help="staging cap per rank in MiB for the plan's rounds (default: none)")
+    p.add_argument("--no-baseline", action="store_true", help="skip the gather-and-broadcast byte count")
+    p.set_defaults(func=_plan)
+    return p
+
+
+def _plan(args) -> int:
+    from rich.console import Console
+
+    from .layout import LayoutError
+    from .plan_report import plan_model, render, summarize
+
+    console = Console()
+    try:
+        refit, p, plan_s = plan_model(args.model, args.train, args.infer,
+                                      int(args.max_bucket_mb * (1 << 20)) or None)
+        summary = summarize(refit, p, baseline=not args.no_baseline)
+    except (LayoutError, ValueError) as e:
+        console.print(f"reshard plan: {e}", style="red", highlight=False)
+        return 2
+    render(summary, console, f"{args.model}: train {args.train} -> infer {args.infer}")
+    console.print(f"layouts built in {refit.build_s:.2f} s, planned in {plan_s:.2f} s; "
+                  f"fingerprint {p.fingerprint()}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="reshard",
         description="M-to-N weight resharding (refit) between training and inference ranks on torch.distributed.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _demo_parser(sub)
+    _plan_parser(sub)
     return parser
 
 

@@ -1,0 +1,105 @@
+"""Planner scale: whole-model refits at cluster size, one rank's part and the whole plan.
+
+Run from the repository root::
+
+    python benchmarks/bench_scale.py [--cases deepseek-v3,kimi-k2]
+
+Each measurement runs in a fresh Python process so that its peak resident memory
+(``ru_maxrss``) belongs to it alone. Two measurements per case:
+
+* one rank: build both layouts, ``rs.plan``, then ``plan.for_rank(r)`` for one
+  training and one inference rank: what each rank does before a refit.
+* whole plan: build both layouts, ``rs.plan`` and every figure a simulation needs
+  (bytes per rank pair, per rank, per tensor, the fingerprint).
+
+Targets (issue 3): one rank's part under 2 s and 2 GB; the whole plan under 30 s and 8 GB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+CASES = {
+    "deepseek-v3": ("deepseek-v3", "tp1,ep16,pp4,dp2", "tp8,dp16"),
+    "kimi-k2": ("kimi-k2", "tp1,ep32,pp4,dp2", "tp8,dp16"),
+}
+
+_CHILD = r"""
+import json, resource, sys, time
+from reshard.plan_report import build_refit
+from reshard.plan import plan
+model, train, infer, mode = sys.argv[1:5]
+t0 = time.perf_counter()
+refit = build_refit(model, train, infer)
+t1 = time.perf_counter()
+p = plan(refit.source, refit.destination)
+t2 = time.perf_counter()
+out = {"build_s": t1 - t0, "plan_s": t2 - t1, "pieces": p.num_pieces, "tensors": len(p.tensors)}
+if mode == "rank":
+    for side, r in (("train", 0), ("infer", refit.train_world)):
+        t = time.perf_counter()
+        part = p.for_rank(r)
+        out[f"for_rank_{side}_s"] = time.perf_counter() - t
+        out[f"copies_{side}"] = sum(len(m.copies) for m in part.sends + part.recvs) + len(part.local)
+else:
+    t = time.perf_counter()
+    out["pairs"] = len(p.pair_bytes)
+    out["wire_bytes"] = p.wire_bytes
+    out["send_balance"] = p.send_balance
+    out["max_recv"] = max(p.recv_bytes.values())
+    out["tensor_bytes"] = len(p.tensor_wire_bytes())
+    out["fingerprint"] = p.fingerprint()
+    out["figures_s"] = time.perf_counter() - t
+out["total_s"] = time.perf_counter() - t0
+out["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+print(json.dumps(out))
+"""
+
+
+def measure(model: str, train: str, infer: str, mode: str) -> dict:
+    res = subprocess.run([sys.executable, "-c", _CHILD, model, train, infer, mode], capture_output=True, text=True)
+    if res.returncode:
+        raise SystemExit(f"{model} {mode} failed:\n{res.stderr[-3000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated: " + ", ".join(CASES))
+    args = ap.parse_args()
+    console = Console(width=160)
+    console.print("$ python benchmarks/bench_scale.py" + (f" --cases {args.cases}" if args.cases != ",".join(CASES)
+                                                          else ""))
+    table = Table(title="whole-model planning at cluster scale (each row a fresh process)")
+    for col in ("case", "part", "tensors", "pieces", "build layouts s", "rs.plan s", "rest s", "total s",
+                "peak RSS GB", "target"):
+        table.add_column(col, justify="left" if col in ("case", "part", "target") else "right")
+    for name in args.cases.split(","):
+        model, train, infer = CASES[name]
+        label = f"{model} {train} -> {infer}"
+        one = measure(model, train, infer, "rank")
+        whole = measure(model, train, infer, "whole")
+        rest = max(one["for_rank_train_s"], one["for_rank_infer_s"])
+        ok1 = one["build_s"] + one["plan_s"] + rest < 2 and one["peak_rss_gb"] < 2
+        table.add_row(label, "one rank (slower of train/infer)", f"{one['tensors']:,}", f"{one['pieces']:,}",
+                      f"{one['build_s']:.2f}", f"{one['plan_s']:.2f}", f"{rest:.2f}",
+                      f"{one['build_s'] + one['plan_s'] + rest:.2f}", f"{one['peak_rss_gb']:.2f}",
+                      ("met" if ok1 else "MISSED") + " (< 2 s, < 2 GB)")
+        ok2 = whole["total_s"] < 30 and whole["peak_rss_gb"] < 8
+        table.add_row("", "whole plan + figures", f"{whole['tensors']:,}", f"{whole['pieces']:,}",
+                      f"{whole['build_s']:.2f}", f"{whole['plan_s']:.2f}", f"{whole['figures_s']:.2f}",
+                      f"{whole['total_s']:.2f}", f"{whole['peak_rss_gb']:.2f}",
+                      ("met" if ok2 else "MISSED") + " (< 30 s, < 8 GB)")
+    console.print(table)
+    console.print("rest: for_rank of one rank (one-rank rows) or every figure of the plan (whole rows); "
+                  "peak RSS includes the Python interpreter, torch and numpy (about 0.3 GB)")
+
+
+if __name__ == "__main__":
+    main()
