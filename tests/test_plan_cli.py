@@ -1,0 +1,44 @@
+"""`reshard plan`: a whole model's refit summary by name, and one-line errors for impossible configs."""
+
+import pytest
+
+import reshard as rs
+from reshard.cli import main
+from reshard.plan_report import build_refit, parse_parallel, summarize
+
+
+def test_plan_summary_qwen3_moe(capsys):
+    assert main(["plan", "--model", "qwen3-30b-a3b", "--train", "tp2,ep8,pp2", "--infer", "tp8,dp2,ep"]) == 0
+    out = capsys.readouterr().out
+    for word in ("attention", "experts", "embeddings", "norms", "router", "gather-and-broadcast",
+                 "balance max/mean", "16 training -> 16 inference ranks"):
+        assert word in out
+
+
+def test_summary_bytes_add_up():
+    refit = build_refit("qwen3-8b", "tp2,pp2,dp2", "tp4,dp2")
+    plan = rs.plan(refit.source, refit.destination)
+    s = summarize(refit, plan)
+    assert sum(s["by_category"].values()) == plan.wire_bytes
+    assert s["by_category"]["experts"] == 0 and s["by_category"]["attention"] > 0
+    # every inference rank holds a quarter of the model (TP 4) and nothing is colocated
+    model = sum(spec.nbytes for spec in refit.destination.specs.values())
+    assert s["max_recv"] >= model // 4
+    assert s["gather_broadcast"]["broadcast"] == model * 8
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--train", "tp1,ep6,pp2", "--infer", "tp8,dp2"], "ep=6 does not divide the 128 experts"),
+    (["--train", "tp1,ep8,pp2", "--infer", "tp7,dp2"], "attention heads (32) is not divisible by 7"),
+    (["--train", "tp1,ep8,pq2", "--infer", "tp8"], "cannot read 'pq2'"),
+    (["--train", "tp1,ep8,pp2", "--infer", "sglang:tp8"], "unknown framework 'sglang'"),
+])
+def test_impossible_configs_get_one_line(capsys, args, message):
+    assert main(["plan", "--model", "qwen3-30b-a3b", *args]) == 2
+    out = capsys.readouterr().out.strip()
+    assert message in out and "Traceback" not in out and len(out.splitlines()) <= 2
+
+
+def test_parse_parallel():
+    assert parse_parallel("fsdp:dp8,tp2", {"dp", "tp"}, "x") == ("fsdp", {"dp": 8, "tp": 2})
+    assert parse_parallel("tp8,dp2,ep", {"tp", "dp", "ep"}, "x") == (None, {"tp": 8, "dp": 2, "ep": 0})
