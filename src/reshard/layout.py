@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
@@ -145,7 +146,7 @@ class Layout:
             int(r): dict(b) for r, b in buffers.items()
         }
         self._by_rank: dict[int, list[tuple[str, int]]] | None = None
-        self._dtypes: set[torch.dtype] | None = None
+        self._dtypes: dict[str, torch.dtype | None] | None = None
         if validate:
             self.validate()
 
@@ -329,24 +330,43 @@ class Layout:
         except KeyError:
             raise LayoutError(f"rank {rank} has no buffer {name!r}") from None
 
-    @property
+    def _dtype_by_name(self) -> dict[str, torch.dtype | None]:
+        """Each buffer name's dtype when every rank agrees on it, else ``None``."""
+        if self._dtypes is None:
+            seen: dict[str, torch.dtype | None] = {}
+            for named in self._buffers.values():
+                for b, (_, dt) in named.items():
+                    seen[b] = dt if seen.get(b, dt) == dt else None
+            self._dtypes = seen
+        return self._dtypes
+
+    @cached_property
     def single_dtype(self) -> torch.dtype | None:
         """The dtype of every buffer, if they all share one."""
-        if self._dtypes is None:
-            self._dtypes = {dt for named in self._buffers.values() for _, dt in named.values()}
-        return next(iter(self._dtypes)) if len(self._dtypes) == 1 else None
-
-    def itemsizes(self, name: str) -> np.ndarray:
-        """Bytes per element of the buffer each piece of ``name`` lives in (int64 [k])."""
-        t = self.tables[name]
-        if self.single_dtype is not None:
-            return np.full(len(t), self.single_dtype.itemsize, np.int64)
-        return np.array([itemsize(self._buffers[r][b][1]) for r, b in zip(t.ranks.tolist(), t.buffers)], np.int64)
+        dtypes = set(self._dtype_by_name().values())
+        return next(iter(dtypes)) if len(dtypes) == 1 else None
 
     def piece_dtypes(self, name: str) -> list[torch.dtype]:
         """The dtype of the buffer each piece of ``name`` lives in."""
         t = self.tables[name]
+        by_name = self._dtype_by_name()
+        names = set(t.buffers)
+        if all(by_name.get(b) is not None for b in names):
+            if len(names) == 1:
+                return [by_name[t.buffers[0]]] * len(t) if len(t) else []
+            return [by_name[b] for b in t.buffers]
         return [self._buffers[r][b][1] for r, b in zip(t.ranks.tolist(), t.buffers)]
+
+    def itemsizes(self, name: str) -> np.ndarray:
+        """Bytes per element of the buffer each piece of ``name`` lives in (int64 [k])."""
+        t = self.tables[name]
+        single = self.single_dtype
+        if single is not None:
+            return np.full(len(t), single.itemsize, np.int64)
+        dtypes = self.piece_dtypes(name)
+        if len(set(dtypes)) == 1:
+            return np.full(len(t), dtypes[0].itemsize, np.int64)
+        return np.array([itemsize(d) for d in dtypes], np.int64)
 
     def empty_buffers(self, rank: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """Zero-filled buffers of ``rank`` (e.g. destination parameters before a refit)."""

@@ -223,9 +223,9 @@ class Plan:
         if not len(s):
             return {}
         width = int(max(s.max(), d.max())) + 1
-        uniq, inv = np.unique(s * width + d, return_inverse=True)
-        sums = np.bincount(inv.reshape(-1), weights=b, minlength=len(uniq))
-        return {(u // width, u % width): int(v) for u, v in zip(uniq.tolist(), sums.tolist())}
+        sums = np.bincount(s * width + d, weights=b, minlength=width * width)
+        keys = np.flatnonzero(sums)
+        return {(int(k) // width, int(k) % width): int(v) for k, v in zip(keys.tolist(), sums[keys].tolist())}
 
     @cached_property
     def wire_bytes(self) -> int:
