@@ -122,3 +122,28 @@ def test_demo_end_to_end_both_methods_bit_exact():
     assert res["methods"][GATHER_BROADCAST]["wire_bytes"] == gb["gather"] + gb["broadcast"]
     assert res["plan"]["rounds"] > 1  # the 16 KiB cap forces several rounds
     assert res["methods"][RESHARD]["peak_staging_bytes"] <= cfg.max_bucket_bytes + res["plan"]["largest_copy_bytes"]
+
+
+@pytest.mark.slow
+def test_demo_named_model_megatron_moe_to_vllm_bit_exact():
+    """A tiny random Qwen3-MoE: Megatron tp1,ep2 on ranks 0-1 -> vLLM tp2 on ranks 2-3, both executors."""
+    cfg = DemoConfig(preset="qwen3-30b-a3b", train="tp1,ep2", infer="tp2", max_bucket_bytes=64 << 10,
+                     progress=False)
+    arch = cfg.arch
+    assert arch.family == "qwen3_moe" and arch.experts == 8 and arch.num_params < 1e6
+    lay = cfg.layouts()
+    assert lay.source_ranks == [0, 1] and lay.destination_ranks == [2, 3]
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in {s.name for s in lay.specs}
+    res = run_demo(cfg)
+    assert failures(res) == []
+    assert set(res["methods"]) == {RESHARD, GATHER_BROADCAST}
+    plan = rs.plan(lay.source, lay.destination, max_bucket_bytes=cfg.max_bucket_bytes)
+    assert res["plan"]["fingerprint"] == plan.fingerprint()
+    assert res["methods"][RESHARD]["wire_bytes"] == plan.wire_bytes == res["plan"]["wire_bytes"]
+    gb = rs.gather_broadcast_bytes(plan)
+    assert res["methods"][GATHER_BROADCAST]["wire_bytes"] == gb["gather"] + gb["broadcast"]
+    c = res["config"]
+    assert (c["model"], c["train"], c["infer"], c["sources"], c["destinations"]) == \
+        ("tiny qwen3-30b-a3b", "tp1,ep2", "tp2", 2, 2)
+    assert main(["demo", "--model", "qwen3-30b-a3b", "--tp", "2"]) == 2  # ranks come from --train/--infer
+    assert main(["demo", "--train", "tp2"]) == 2  # --train needs --model

@@ -38,18 +38,41 @@ def _demo_parser(sub) -> argparse.ArgumentParser:
             "--scale to shrink the model."),
     )
     g = p.add_argument_group("ranks")
-    g.add_argument("--sources", "-M", type=_positive, default=4, metavar="M",
+    g.add_argument("--sources", "-M", type=_positive, default=None, metavar="M",
                    help="number of source (training) ranks, 0..M-1; every tensor is Shard(0) over them with "
-                        "the torch.chunk split rule, as FSDP2 shards (default %(default)s)")
-    g.add_argument("--tp", type=_positive, default=2,
+                        "the torch.chunk split rule, as FSDP2 shards (default 4; not with --model)")
+    g.add_argument("--tp", type=_positive, default=None,
                    help="tensor-parallel size of each inference replica; must divide the heads, kv heads, "
-                        "intermediate size and vocab (1, 2, 4 or 8 for the default model) (default %(default)s)")
-    g.add_argument("--dp", type=_positive, default=2,
+                        "intermediate size and vocab (1, 2, 4 or 8 for the default model) (default 2; not with "
+                        "--model)")
+    g.add_argument("--dp", type=_positive, default=None,
                    help="number of inference replicas (data parallel); destination ranks N = tp x dp, each "
-                        "replica a group of tp consecutive ranks (default %(default)s)")
+                        "replica a group of tp consecutive ranks (default 2; not with --model)")
     g.add_argument("--colocate", action="store_true",
                    help="put destination ranks on ranks 0..N-1 (shared with the sources) instead of M..M+N-1; "
                         "bytes a rank already holds are then copied locally, not sent (default: separate ranks)")
+    from .models import PRESETS
+
+    n = p.add_argument_group(
+        "named model with real framework layouts (instead of the Qwen3-style model and ranks)",
+        "With --model, the training side is laid out as Megatron-Core (or FSDP2) lays it out and the inference "
+        "side as vLLM does, with the same rules as `reshard plan`; training ranks are 0..M-1 and inference ranks "
+        "M..M+N-1, M and N following from --train and --infer. Example: reshard demo --model qwen3-30b-a3b "
+        "--train tp1,ep2 --infer tp2")
+    n.add_argument("--model", default=None, choices=sorted(PRESETS), metavar="NAME",
+                   help=f"model preset, one of: {', '.join(sorted(PRESETS))}")
+    n.add_argument("--train", default=None, metavar="SPEC",
+                   help="training parallelism as in `reshard plan`: Megatron sizes like tp1,ep2 or tp2,pp2, or "
+                        "fsdp:dp2[,tp2] (default: tp1,ep2 for MoE models, else tp2)")
+    n.add_argument("--infer", default=None, metavar="SPEC",
+                   help="inference parallelism (vLLM): tp2,dp2 = 2 engines of 2 ranks; add ep for expert "
+                        "parallel (default tp2)")
+    n.add_argument("--tiny", action=argparse.BooleanOptionalAction, default=True,
+                   help="shrink the preset to a small random model of the same family that runs in seconds: "
+                        "64 hidden, 2 layers (3 for DeepSeek: 1 dense + 2 MoE), 8 heads, 4 KV heads, 8 experts, "
+                        "vocab 1000, MLA and shared experts kept; --layers, --hidden, ... override single sizes. "
+                        "--no-tiny runs the full preset (needs its full size in memory, several times over) "
+                        "(default: on)")
     m = p.add_argument_group("model (Qwen3-style; defaults are Qwen3-0.6B)")
     m.add_argument("--layers", type=_positive, default=None, help=f"decoder layers (default {d.layers})")
     m.add_argument("--hidden", type=_positive, default=None, help=f"hidden size (default {d.hidden})")
@@ -93,7 +116,7 @@ def model_from_args(args) -> ModelConfig:
     if args.scale is not None:
         if args.scale <= 0:
             raise SystemExit("reshard demo: --scale must be > 0")
-        quantum = 64 * args.tp
+        quantum = 64 * (args.tp or 2)
         vocab = max(quantum, round(cfg.vocab * args.scale / quantum) * quantum)
         cfg = cfg.with_overrides(layers=max(1, round(cfg.layers * args.scale)), vocab=vocab)
     return cfg.with_overrides(layers=args.layers, hidden=args.hidden, intermediate=args.intermediate,
@@ -103,7 +126,7 @@ def model_from_args(args) -> ModelConfig:
 def _demo(args) -> int:
     from rich.console import Console
 
-    from .demo import METHODS, DemoConfig, DemoFailed, failures, print_report, run_demo
+    from .demo import METHODS, DemoConfig
     from .layout import LayoutError
 
     console = Console()
@@ -112,6 +135,13 @@ def _demo(args) -> int:
     if unknown or not methods:
         console.print(f"[red]reshard demo: unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
         return 2
+    if args.model is not None:
+        return _demo_model(args, console, methods)
+    for opt in ("train", "infer"):
+        if getattr(args, opt) is not None:
+            console.print(f"[red]reshard demo: --{opt} needs --model")
+            return 2
+    args.sources, args.tp, args.dp = args.sources or 4, args.tp or 2, args.dp or 2
     model = model_from_args(args)
     cfg = DemoConfig(
         model=model, sources=args.sources, tp=args.tp, dp=args.dp, colocate=args.colocate,
@@ -129,6 +159,46 @@ def _demo(args) -> int:
         f"[bold]reshard demo[/]: {len(lay.specs)} tensors, {model.num_params / 1e9:.3f} B params "
         f"({model.nbytes / 1e9:.2f} GB {args.dtype}), {cfg.sources} source ranks -> {n} destination ranks "
         f"(tp={cfg.tp} x dp={cfg.dp}{', colocated' if cfg.colocate else ''}), {lay.world_size} processes, gloo")
+    return _run_and_report(cfg, args, console)
+
+
+def _demo_model(args, console, methods) -> int:
+    """``reshard demo --model NAME``: real Megatron/FSDP and vLLM layouts of a (tiny) preset."""
+    from .demo import _BYTES, _PARAMS, DemoConfig, _size
+    from .layout import LayoutError
+
+    clash = [f"--{o.replace('_', '-')}" for o in ("sources", "tp", "dp", "scale", "source_dtype")
+             if getattr(args, o) is not None] + (["--colocate"] if args.colocate else [])
+    if clash:
+        console.print(f"[red]reshard demo: {', '.join(clash)} cannot be used with --model; "
+                      f"set the ranks with --train and --infer")
+        return 2
+    overrides = tuple((k, getattr(args, k)) for k in ("layers", "hidden", "intermediate", "heads", "kv_heads",
+                                                      "head_dim", "vocab") if getattr(args, k) is not None)
+    cfg = DemoConfig(
+        preset=args.model, train=args.train, infer=args.infer, tiny=args.tiny,
+        arch_overrides=overrides + (("dtype", DTYPES[args.dtype]),),
+        max_bucket_bytes=int(args.max_bucket_mb * (1 << 20)) or None, repeat=args.repeat, seed=args.seed,
+        methods=methods, progress=not args.quiet,
+    )
+    try:
+        arch = cfg.arch
+        lay = cfg.layouts()
+    except (LayoutError, ValueError) as e:
+        console.print(f"reshard demo: {e}", style="red", highlight=False)
+        return 2
+    nbytes = sum(s.nbytes for s in lay.specs)
+    console.print(
+        f"[bold]reshard demo[/]: {cfg.model_name} ({arch.family}), {len(lay.specs)} tensors, "
+        f"{_size(sum(s.numel for s in lay.specs), _PARAMS)} ({_size(nbytes, _BYTES)} {args.dtype}); "
+        f"train {cfg.train_spec} on {len(lay.source_ranks)} ranks -> infer {cfg.infer_spec} on "
+        f"{len(lay.destination_ranks)} ranks, {lay.world_size} processes, gloo", highlight=False)
+    return _run_and_report(cfg, args, console)
+
+
+def _run_and_report(cfg, args, console) -> int:
+    from .demo import DemoFailed, failures, print_report, run_demo
+
     try:
         result = run_demo(cfg)
     except DemoFailed as e:

@@ -17,7 +17,7 @@ import os
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
 import torch
@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from . import verify
 from .demo_model import QWEN3_0_6B, DemoLayouts, ModelConfig, demo_layouts
+from .models.arch import Arch, get_arch
 from .executor import ReshardExecutor
 from .gather_broadcast import GatherBroadcastExecutor
 from .plan import plan as make_plan
@@ -50,10 +51,74 @@ class DemoConfig:
     seed: int = 0
     methods: tuple[str, ...] = METHODS
     progress: bool = True
+    # a named model with real framework layouts (reshard.plan_report.build_refit) instead of the
+    # Qwen3-like model above: preset name (or an Arch), training and inference configs
+    preset: str | Arch | None = None
+    train: str | None = None
+    infer: str | None = None
+    tiny: bool = True  # shrink the preset to a small random model of the same family (see tiny_arch)
+    arch_overrides: tuple[tuple[str, object], ...] = ()  # applied after shrinking, e.g. (("layers", 3),)
+
+    @property
+    def arch(self) -> Arch | None:
+        """The model of a ``preset`` run (shrunk if ``tiny``, with the overrides), else ``None``."""
+        if self.preset is None:
+            return None
+        a = get_arch(self.preset) if isinstance(self.preset, str) else self.preset
+        if self.tiny:
+            a = tiny_arch(a)
+        return a.with_overrides(**dict(self.arch_overrides))
+
+    @property
+    def model_name(self) -> str | None:
+        if self.preset is None:
+            return None
+        name = self.preset if isinstance(self.preset, str) else self.preset.family
+        return f"tiny {name}" if self.tiny else name
+
+    @property
+    def train_spec(self) -> str:
+        return self.train or default_train(self.arch)
+
+    @property
+    def infer_spec(self) -> str:
+        return self.infer or "tp2"
 
     def layouts(self) -> DemoLayouts:
-        return demo_layouts(self.model, self.sources, self.tp, self.dp, colocate=self.colocate,
-                            src_dtype=self.source_dtype)
+        if self.preset is None:
+            return demo_layouts(self.model, self.sources, self.tp, self.dp, colocate=self.colocate,
+                                src_dtype=self.source_dtype)
+        from .models.arch import model_specs
+        from .plan_report import build_refit
+
+        refit = build_refit(self.arch, self.train_spec, self.infer_spec)
+        src, dst = refit.source, refit.destination
+        return DemoLayouts(model_specs(refit.arch), src, dst, list(src.ranks), list(dst.ranks))
+
+
+def default_train(arch: Arch | None) -> str:
+    """The training config a ``preset`` run uses unless told: expert parallel for MoE, else TP."""
+    return "tp1,ep2" if arch is not None and arch.is_moe else "tp2"
+
+
+def tiny_arch(a: Arch) -> Arch:
+    """A small random model of ``a``'s family that refits in seconds on a laptop.
+
+    Keeps what decides the layouts' structure: the family (GQA with q/k norms, MoE with a
+    router and experts, DeepSeek's MLA with low-rank q/kv, dense first layers, shared
+    experts, MTP layers), tied or untied embeddings, the dtype. Sizes are chosen so that
+    TP, EP and ETP up to 4 divide what they split (8 heads, 4 KV heads, 8 experts) and the
+    vocabulary (1000) is padded by both Megatron and vLLM.
+    """
+    kw: dict = dict(hidden=64, layers=2, vocab=1000, heads=8, kv_heads=4, head_dim=16, intermediate=128)
+    if a.is_moe:
+        kw.update(experts=8, moe_intermediate=32, shared_experts=min(a.shared_experts, 1),
+                  first_dense_layers=min(a.first_dense_layers, 1))
+        kw["layers"] = 2 + kw["first_dense_layers"]
+    if a.is_mla:
+        kw.update(kv_heads=8, qk_nope_head_dim=16, qk_rope_head_dim=8, head_dim=24, v_head_dim=16,
+                  kv_lora_rank=32, q_lora_rank=None if a.q_lora_rank is None else 32)
+    return replace(a, **kw)
 
 
 class DemoFailed(RuntimeError):
@@ -189,6 +254,8 @@ def _method_summary(seen: list, lay: DemoLayouts, repeat: int) -> dict:
 
 
 def _config_dict(cfg: DemoConfig, lay: DemoLayouts) -> dict:
+    if cfg.preset is not None:
+        return _model_config_dict(cfg, lay)
     m = cfg.model
     return {
         "sources": cfg.sources, "tp": cfg.tp, "dp": cfg.dp, "destinations": cfg.tp * cfg.dp,
@@ -196,6 +263,20 @@ def _config_dict(cfg: DemoConfig, lay: DemoLayouts) -> dict:
         "intermediate": m.intermediate, "heads": m.heads, "kv_heads": m.kv_heads, "head_dim": m.head_dim,
         "vocab": m.vocab, "dtype": str(m.dtype).removeprefix("torch."),
         "source_dtype": str(cfg.source_dtype or m.dtype).removeprefix("torch."),
+        "params": sum(s.numel for s in lay.specs), "model_bytes": sum(s.nbytes for s in lay.specs),
+        "repeat": cfg.repeat, "seed": cfg.seed, "max_bucket_bytes": cfg.max_bucket_bytes,
+    }
+
+
+def _model_config_dict(cfg: DemoConfig, lay: DemoLayouts) -> dict:
+    a = cfg.arch
+    return {
+        "model": cfg.model_name, "family": a.family, "train": cfg.train_spec, "infer": cfg.infer_spec,
+        "sources": len(lay.source_ranks), "destinations": len(lay.destination_ranks),
+        "world": lay.world_size, "colocate": False, "arch": {k: (str(v).removeprefix("torch.")
+                                                                if isinstance(v, torch.dtype) else v)
+                                                            for k, v in asdict(a).items()},
+        "dtype": str(a.dtype).removeprefix("torch."),
         "params": sum(s.numel for s in lay.specs), "model_bytes": sum(s.nbytes for s in lay.specs),
         "repeat": cfg.repeat, "seed": cfg.seed, "max_bucket_bytes": cfg.max_bucket_bytes,
     }
@@ -226,12 +307,25 @@ def failures(result: dict) -> list[str]:
     return [f"{m}: {x}" for m, r in result["methods"].items() for x in r["mismatches"]]
 
 
-def _gb(n: int) -> str:
-    return f"{n / 1e9:.3f}"
-
-
 def _mib(n: int | None) -> str:
     return "none" if n is None else f"{n / MiB:.1f} MiB"
+
+
+def _framework(spec: str, default: str) -> str:
+    """``"tp1,ep2"`` -> ``"megatron tp1,ep2"``; ``"fsdp:dp2"`` -> ``"fsdp dp2"``."""
+    fw, _, rest = spec.rpartition(":")
+    return f"{fw or default} {rest}"
+
+
+_PARAMS, _BYTES = ("B params", "M params", "k params", "params"), ("GB", "MB", "kB", "bytes")
+
+
+def _size(n: int, units: tuple[str, str, str, str]) -> str:
+    """``n`` with the largest of (1e9, 1e6, 1e3, 1) ``units`` it reaches."""
+    for scale, unit in zip((1e9, 1e6, 1e3), units):
+        if n >= scale:
+            return f"{n / scale:.3f} {unit}"
+    return f"{n} {units[3]}"
 
 
 def report_table(result: dict):
@@ -241,19 +335,28 @@ def report_table(result: dict):
     c = result["config"]
     rep = c["repeat"]
     coloc = ", colocated" if c["colocate"] else ""
-    t = Table(title=f"refit {c['sources']} -> {c['destinations']} ranks (tp={c['tp']} x dp={c['dp']}{coloc}), "
-                    f"{c['params'] / 1e9:.3f} B params, {c['model_bytes'] / 1e9:.2f} GB",
+    if "model" in c:
+        title = (f"refit {c['model']}: {_framework(c['train'], 'megatron')} on {c['sources']} ranks -> "
+                 f"{_framework(c['infer'], 'vllm')} on {c['destinations']} ranks, {_size(c['params'], _PARAMS)}, "
+                 f"{_size(c['model_bytes'], _BYTES)}")
+    else:
+        title = (f"refit {c['sources']} -> {c['destinations']} ranks (tp={c['tp']} x dp={c['dp']}{coloc}), "
+                 f"{c['params'] / 1e9:.3f} B params, {c['model_bytes'] / 1e9:.2f} GB")
+    t = Table(title=title,
               caption=("time: wall time of the slowest rank" + (f", best of {rep} runs" if rep > 1 else "")
                        + "; wire: bytes all ranks sent to other ranks (in the destination dtype); recv/dst: most "
                          "bytes any destination rank received; staging/rank: most bytes any rank held in "
                          "transfer buffers; speedup: vs gather-broadcast"), caption_justify="left")
     t.add_column("method", no_wrap=True)
-    for col in ["time s", "wire GB", "recv/dst GB", "staging/rank", "speedup"]:
+    small = "model" in c and c["model_bytes"] < 1e9  # a tiny named model: its bytes in MB
+    scale, unit = (1e6, "MB") if small else (1e9, "GB")
+    for col in ["time s", f"wire {unit}", f"recv/dst {unit}", "staging/rank", "speedup"]:
         t.add_column(col, justify="right", no_wrap=True)
     base = result["methods"].get(GATHER_BROADCAST, {}).get("best_s")
     for name, r in result["methods"].items():
         speed = f"{base / r['best_s']:.2f}x" if base and r["best_s"] > 0 else "-"
-        t.add_row(name, f"{r['best_s']:.2f}", _gb(r["wire_bytes"]), _gb(r["max_recv_bytes"]),
+        t.add_row(name, f"{r['best_s']:.2f}", f"{r['wire_bytes'] / scale:.3f}",
+                  f"{r['max_recv_bytes'] / scale:.3f}",
                   _mib(r["peak_staging_bytes"]), speed)
     return t
 

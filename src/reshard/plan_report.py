@@ -74,8 +74,8 @@ def build_refit(model: str | Arch, train: str, infer: str) -> ModelRefit:
         if world % (tp * cp * pp):
             raise LayoutError(f"--train {train}: {world} ranks do not split into tp{tp} x cp{cp} x pp{pp} groups")
         dense_dp = world // (tp * cp * pp)
-        layers = arch.layers + arch.mtp_layers
-        pp_layers = None if layers % pp == 0 else suggest_pp_layers(arch.layers, pp)
+        # MTP layers sit on the last stage outside the pipeline split of the decoder layers
+        pp_layers = None if arch.layers % pp == 0 else suggest_pp_layers(arch.layers, pp)
         source = megatron_layout(arch, range(world), tp=tp, pp=pp, ep=ep, etp=etp, dp=dense_dp, cp=cp,
                                  pp_layers=pp_layers)
     elif tfw == "fsdp":
