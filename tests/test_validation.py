@@ -313,3 +313,21 @@ def test_materialize_without_the_full_tensor():
 def test_unknown_buffer():
     with raises("rank 0", "'nope'"):
         replicated(W).buffer_spec(0, "nope")
+
+
+def test_overlap_found_between_pieces_that_are_not_neighbours_in_a_3d_buffer():
+    """The vectorized check compares every pair whose first-dim ranges meet, not just sort neighbours."""
+    specs = [rs.TensorSpec(f"e{i}", (2, 4), torch.float32) for i in range(3)]
+    pieces = [
+        rs.Piece("e0", (0, 0), (2, 4), "w13", (0, 0, 0), 0),
+        rs.Piece("e1", (0, 0), (2, 4), "w13", (0, 4, 0), 0),
+        rs.Piece("e2", (0, 0), (2, 4), "w13", (0, 1, 0), 0),  # rows 1:3 of slot 0 overlap e0
+    ]
+    with pytest.raises(rs.LayoutError, match=r"rank 0 buffer 'w13': piece of 'e\d' box \[0:2, 0:4\] at \(0, [01], 0\) "
+                                             r"overlaps piece of 'e\d'"):
+        rs.Layout.from_pieces(specs, pieces, {0: {"w13": ((1, 8, 4), torch.float32)}})
+    later = pieces[:2] + [rs.Piece("e2", (0, 0), (2, 4), "w13", (0, 5, 0), 0)]  # rows 5:7 overlap e1's 4:6
+    with pytest.raises(rs.LayoutError, match="overlaps"):
+        rs.Layout.from_pieces(specs, later, {0: {"w13": ((1, 8, 4), torch.float32)}})
+    disjoint = [rs.Piece(f"e{i}", (0, 0), (2, 4), "w13", (0, 2 * i + (2 if i == 2 else 0), 0), 0) for i in range(3)]
+    rs.Layout.from_pieces(specs, disjoint, {0: {"w13": ((1, 8, 4), torch.float32)}})

@@ -400,8 +400,16 @@ class Layout:
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
         """Raise :class:`LayoutError` for a box outside its tensor, a piece outside its buffer,
-        two pieces overlapping in one buffer, or a piece whose buffer has the wrong dtype class."""
-        for name, t in self.tables.items():
+        two pieces overlapping in one buffer, or a piece whose buffer has the wrong dtype class.
+
+        Vectorized: buffer shapes are looked up once per (buffer name, set of ranks), and
+        overlaps are found by sorting each buffer's pieces along their first dim and comparing
+        only pieces whose first-dim ranges meet.
+        """
+        looked_up: dict[tuple[str, bytes], tuple] = {}
+        codes: dict[str, int] = {}
+        by_width: dict[int, tuple[list, list, list, list, list]] = defaultdict(lambda: ([], [], [], [], []))
+        for ti, (name, t) in enumerate(self.tables.items()):
             spec = self.specs.get(name)
             if spec is None:
                 raise LayoutError(f"unknown tensor {name!r}: pieces refer to it but no TensorSpec names it")
@@ -415,56 +423,93 @@ class Layout:
                     f"tensor {name!r} rank {int(t.ranks[i])}: box {box_str(t.offsets[i], t.sizes[i])} lies "
                     f"outside the tensor's shape {spec.shape}"
                 )
-            for i in range(len(t)):
-                r, b = int(t.ranks[i]), t.buffers[i]
+            k, d = t.sizes.shape
+            bd = t.buffer_offsets.shape[1]
+            lo = t.buffer_offsets
+            hi = lo + np.concatenate([np.ones((k, bd - d), np.int64), t.sizes], axis=1)
+            names = list(dict.fromkeys(t.buffers))
+            for b in names:
+                rows = np.arange(k) if len(names) == 1 else np.flatnonzero(np.array(t.buffers, object) == b)
+                ranks = t.ranks[rows]
+                uniq, shapes, dtypes = self._buffer_shapes(looked_up, b, ranks, name)
+                for r, dt in zip(uniq.tolist(), dtypes):
+                    if dtype_class(dt) != dtype_class(spec.dtype):
+                        raise LayoutError(f"tensor {name!r} rank {r}: buffer {b!r} has dtype {dt}, "
+                                          f"of another class than the tensor's {spec.dtype}")
+                if shapes.shape[1] != bd:
+                    raise LayoutError(f"tensor {name!r} rank {int(uniq[0])}: buffer {b!r} has {shapes.shape[1]} "
+                                      f"dims but the piece's buffer offsets have {bd}")
+                sh = shapes[np.searchsorted(uniq, ranks)]
+                out = np.flatnonzero(((lo[rows] < 0) | (hi[rows] > sh)).any(axis=1))
+                if len(out):
+                    i = int(rows[out[0]])
+                    raise LayoutError(
+                        f"tensor {name!r} rank {int(t.ranks[i])}: box {box_str(t.offsets[i], t.sizes[i])} placed "
+                        f"at {tuple(lo[i].tolist())} does not fit buffer {b!r} of shape "
+                        f"{tuple(sh[out[0]].tolist())}"
+                    )
+                live = rows[(t.sizes[rows] > 0).all(axis=1)]
+                keys, los, his, tis, pieces = by_width[bd]
+                keys.append(t.ranks[live] * (1 << 24) + codes.setdefault(b, len(codes)))
+                los.append(lo[live])
+                his.append(hi[live])
+                tis.append((ti, len(live)))
+                pieces.append(live)
+        if by_width:
+            self._check_buffer_overlaps(by_width)
+
+    def _buffer_shapes(self, cache: dict, b: str, ranks: np.ndarray, tensor: str):
+        """(sorted ranks, their shapes of buffer ``b`` [n, ndim], their dtypes), cached."""
+        key = (b, ranks.tobytes())
+        hit = cache.get(key)
+        if hit is None:
+            uniq = np.unique(ranks)
+            descs = []
+            for r in uniq.tolist():
                 desc = self._buffers.get(r, {}).get(b)
                 if desc is None:
-                    raise LayoutError(f"tensor {name!r} rank {r}: buffer {b!r} is not declared on that rank")
-                bshape, bdtype = desc
-                if dtype_class(bdtype) != dtype_class(spec.dtype):
-                    raise LayoutError(f"tensor {name!r} rank {r}: buffer {b!r} has dtype {bdtype}, "
-                                      f"of another class than the tensor's {spec.dtype}")
-                bo = t.buffer_offsets[i]
-                if len(bshape) != len(bo):
-                    raise LayoutError(f"tensor {name!r} rank {r}: buffer {b!r} has {len(bshape)} dims but the "
-                                      f"piece's buffer offsets have {len(bo)}")
-                ext = (1,) * (len(bo) - t.sizes.shape[1]) + tuple(t.sizes[i].tolist())
-                if any(o < 0 or o + s > n for o, s, n in zip(bo.tolist(), ext, bshape)):
-                    raise LayoutError(
-                        f"tensor {name!r} rank {r}: box {box_str(t.offsets[i], t.sizes[i])} placed at "
-                        f"{tuple(bo.tolist())} does not fit buffer {b!r} of shape {bshape}"
-                    )
-        self._check_buffer_overlaps()
+                    raise LayoutError(f"tensor {tensor!r} rank {r}: buffer {b!r} is not declared on that rank")
+                descs.append(desc)
+            ndims = {len(sh) for sh, _ in descs}
+            if len(ndims) > 1:
+                raise LayoutError(f"buffer {b!r} has different numbers of dims on different ranks")
+            shapes = np.array([sh for sh, _ in descs], np.int64).reshape(len(descs), ndims.pop())
+            hit = cache[key] = (uniq, shapes, [dt for _, dt in descs])
+        return hit
 
-    def _check_buffer_overlaps(self) -> None:
-        by_buffer: dict[tuple[int, str], list[tuple[str, int]]] = defaultdict(list)
-        for name, t in self.tables.items():
-            for i, (r, b) in enumerate(zip(t.ranks.tolist(), t.buffers)):
-                by_buffer[(r, b)].append((name, i))
-        for (r, b), members in by_buffer.items():
-            if len(members) < 2:
-                continue
-            lo = []
-            hi = []
-            for name, i in members:
-                t = self.tables[name]
-                bo = t.buffer_offsets[i]
-                ext = np.concatenate([np.ones(len(bo) - t.sizes.shape[1], np.int64), t.sizes[i]])
-                lo.append(bo)
-                hi.append(bo + ext)
-            lo_a, hi_a = np.stack(lo), np.stack(hi)
-            nonempty = (hi_a > lo_a).all(axis=1)
-            overlap = ((lo_a[:, None, :] < hi_a[None, :, :]) & (lo_a[None, :, :] < hi_a[:, None, :])).all(axis=2)
-            overlap &= nonempty[:, None] & nonempty[None, :]
-            np.fill_diagonal(overlap, False)
-            if overlap.any():
-                i, j = map(int, np.argwhere(overlap)[0])
-                (n1, k1), (n2, k2) = members[i], members[j]
-                t1, t2 = self.tables[n1], self.tables[n2]
+    def _check_buffer_overlaps(self, by_width: dict) -> None:
+        """Pieces grouped by buffer-offset width: (keys, lows, highs, (table, count) runs, piece ids)."""
+        width = max(by_width)
+        parts = []
+        for w, (keys, los, his, tis, pieces) in by_width.items():
+            lo, hi = np.concatenate(los), np.concatenate(his)
+            ref = np.stack([np.repeat([t for t, _ in tis], [n for _, n in tis]), np.concatenate(pieces)], axis=1)
+            parts.append((np.concatenate(keys), np.pad(lo, ((0, 0), (0, width - w))),
+                          np.pad(hi, ((0, 0), (0, width - w)), constant_values=1), ref))
+        keys = np.concatenate([p[0] for p in parts])
+        lo = np.concatenate([p[1] for p in parts])
+        hi = np.concatenate([p[2] for p in parts])
+        refs = np.concatenate([p[3] for p in parts])
+        order = np.lexsort((lo[:, 0], keys))
+        keys, lo, hi, refs = keys[order], lo[order], hi[order], refs[order]
+        group = np.concatenate([[0], np.cumsum(keys[1:] != keys[:-1])]) << 40
+        # pieces after i in its buffer whose first-dim start lies before i's first-dim end
+        reach = np.searchsorted(group + lo[:, 0], group + hi[:, 0], "left") - np.arange(len(keys)) - 1
+        for w in range(1, int(reach.max(initial=0)) + 1):
+            i = np.flatnonzero(reach >= w)
+            j = i + w
+            hit = i[((lo[i] < hi[j]) & (lo[j] < hi[i])).all(axis=1)]
+            if len(hit):
+                a, c = int(hit[0]), int(hit[0]) + w
+                names = list(self.tables)
+                (t1, k1), (t2, k2) = refs[a].tolist(), refs[c].tolist()
+                n1, n2 = names[t1], names[t2]
+                T1, T2 = self.tables[n1], self.tables[n2]
                 raise LayoutError(
-                    f"rank {r} buffer {b!r}: piece of {n1!r} box {box_str(t1.offsets[k1], t1.sizes[k1])} at "
-                    f"{tuple(lo_a[i].tolist())} overlaps piece of {n2!r} box {box_str(t2.offsets[k2], t2.sizes[k2])} "
-                    f"at {tuple(lo_a[j].tolist())}"
+                    f"rank {int(T1.ranks[k1])} buffer {T1.buffers[k1]!r}: piece of {n1!r} box "
+                    f"{box_str(T1.offsets[k1], T1.sizes[k1])} at {tuple(T1.buffer_offsets[k1].tolist())} overlaps "
+                    f"piece of {n2!r} box {box_str(T2.offsets[k2], T2.sizes[k2])} at "
+                    f"{tuple(T2.buffer_offsets[k2].tolist())}"
                 )
 
 
