@@ -135,6 +135,7 @@ class Plan:
         self.destination = destination
         self.max_bucket_bytes = max_bucket_bytes
         self._fingerprint: str | None = None
+        self._stacked_cache: dict[int, tuple | None] = {}
         self.tensors = [n for n, t in destination.tables.items() if len(t)]
         keyed: dict[tuple, list[str]] = {}
         for name in self.tensors:
@@ -355,16 +356,17 @@ class Plan:
                 item = np.concatenate([item, g.choice_cols[cj]])
                 piece = np.concatenate([piece, g.choice_piece[ci, cj]])
                 src_rank = np.concatenate([src_rank, g.choice_rank[ci, cj]])
-            for i in np.unique(inst).tolist():
-                sel = inst == i
-                for c, kind, k, s in zip(self._copies(g, i, item[sel], piece[sel]), g.items.kind[item[sel]].tolist(),
-                                         item[sel].tolist(), src_rank[sel].tolist()):
-                    if kind == LOCAL:
-                        out.local.append(c)
-                    elif kind == FANOUT:
-                        out.fanout.append(c)
-                    else:
-                        streams[(s, int(g.dst_rank[k]))].append((int(g.tensor_index[i]), k, c))
+            if not len(inst):
+                continue
+            copies = self._group_copies(g, inst, item, piece)
+            for c, kind, i, k, s in zip(copies, g.items.kind[item].tolist(), inst.tolist(), item.tolist(),
+                                        src_rank.tolist()):
+                if kind == LOCAL:
+                    out.local.append(c)
+                elif kind == FANOUT:
+                    out.fanout.append(c)
+                else:
+                    streams[(s, int(g.dst_rank[k]))].append((int(g.tensor_index[i]), k, c))
         per_rank = self._streams
         for (s, d), entries in sorted(streams.items()):
             entries.sort(key=lambda e: (e[0], e[1]))
@@ -374,6 +376,64 @@ class Plan:
         out.sends.sort(key=lambda m: (m.round, m.peer))
         out.recvs.sort(key=lambda m: (m.round, m.peer))
         return out
+
+    def _group_copies(self, g: _Group, inst: np.ndarray, items: np.ndarray, pieces: np.ndarray) -> list[Copy]:
+        """Copy records of rows (instance, item, source piece) of one group, with array operations
+        across instances; falls back to one instance at a time if their buffers differ in rank."""
+        stacked = self._stacked(g)
+        if stacked is None:
+            out: list = [None] * len(inst)
+            for i in np.unique(inst).tolist():
+                rows = np.flatnonzero(inst == i)
+                for r, c in zip(rows.tolist(), self._copies(g, i, items[rows], pieces[rows])):
+                    out[r] = c
+            return out
+        src_bo, dst_bo, src_names, dst_names, dtypes = stacked
+        it = g.items
+        name0 = g.tensors[0]
+        st, dt = self.source.tables[name0], self.destination.tables[name0]  # same boxes in every instance
+        off, dp = it.offsets[items], it.dst_piece[items]
+        d = off.shape[1]
+        fan = it.kind[items] == FANOUT
+        src_off = np.empty((len(items), src_bo.shape[2]), np.int64)
+        if (~fan).any():
+            rows, p = np.flatnonzero(~fan), pieces[~fan]
+            src_off[rows] = src_bo[inst[rows], p]
+            src_off[rows, src_bo.shape[2] - d:] += off[rows] - st.offsets[p]
+        fan_off = None
+        if fan.any():
+            rows, p = np.flatnonzero(fan), pieces[fan]
+            fan_off = dst_bo[inst[rows], p]
+            fan_off[:, dst_bo.shape[2] - d:] += off[rows] - dt.offsets[p]
+        dst_off = dst_bo[inst, dp]
+        dst_off[:, dst_bo.shape[2] - d:] += off - dt.offsets[dp]
+        src_list = src_off.tolist()
+        if fan_off is not None:
+            for r, v in zip(np.flatnonzero(fan).tolist(), fan_off.tolist()):
+                src_list[r] = v
+        names = g.tensors
+        return [
+            Copy(names[i], tuple(o), tuple(z), (dst_names[i][sp] if f else src_names[i][sp]), tuple(so),
+                 dst_names[i][q], tuple(do), dtypes[i][q])
+            for i, o, z, sp, f, so, q, do in zip(inst.tolist(), off.tolist(), it.sizes[items].tolist(),
+                                                 pieces.tolist(), fan.tolist(), src_list, dp.tolist(),
+                                                 dst_off.tolist())
+        ]
+
+    def _stacked(self, g: _Group):
+        """Per group, cached: buffer offsets of every instance's pieces stacked, plus buffer names and dtypes."""
+        cache = self._stacked_cache
+        key = id(g)
+        if key not in cache:
+            src = [self.source.tables[n] for n in g.tensors]
+            dst = [self.destination.tables[n] for n in g.tensors]
+            if len({t.buffer_offsets.shape[1] for t in src}) > 1 or len({t.buffer_offsets.shape[1] for t in dst}) > 1:
+                cache[key] = None
+            else:
+                cache[key] = (np.stack([t.buffer_offsets for t in src]), np.stack([t.buffer_offsets for t in dst]),
+                              [t.buffers for t in src], [t.buffers for t in dst],
+                              [self.destination.piece_dtypes(n) for n in g.tensors])
+        return cache[key]
 
     def _copies(self, g: _Group, i: int, items: np.ndarray, pieces: np.ndarray) -> list[Copy]:
         """Copy records of ``items`` of instance ``i`` whose source pieces are ``pieces``
