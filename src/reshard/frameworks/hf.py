@@ -68,6 +68,7 @@ from typing import Mapping, NamedTuple, Sequence
 import numpy as np
 import torch
 
+from . import engine_ranks
 from ..layout import Layout, LayoutError, PieceTable, TensorSpec
 from ..models.arch import Arch, get_arch, model_specs
 from ..placements import Placement, Replicate, Shard, StridedShard, _local_runs
@@ -329,13 +330,7 @@ def hf_layout(arch: Arch | str, ranks: Sequence[int], tp: int, dp: int = 1, *, d
     what transformers refuses (``lm_head``'s vocab not divisible by ``tp``).
     """
     a = _as_arch(arch)
-    ranks_arr = np.array([int(r) for r in ranks], np.int64)
-    if tp < 1 or dp < 1:
-        raise LayoutError(f"Hugging Face layout: tp and dp must be >= 1, got tp={tp}, dp={dp}")
-    if len(ranks_arr) != tp * dp:
-        raise LayoutError(f"Hugging Face layout: {len(ranks_arr)} ranks given for tp={tp} x dp={dp} = {tp * dp} ranks")
-    if len(np.unique(ranks_arr)) != len(ranks_arr):
-        raise LayoutError(f"Hugging Face layout: ranks {ranks_arr.tolist()} repeat a rank")
+    ranks_arr = engine_ranks(ranks, tp, dp, "Hugging Face")
     if param_shapes is not None:
         check_hf_parameters(a, param_shapes)
     plan = hf_tp_plan(a)

@@ -62,6 +62,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from . import engine_ranks
 from ..layout import Layout, LayoutError, PieceTable, TensorSpec
 from ..models.arch import Arch, model_specs
 
@@ -137,13 +138,7 @@ def vllm_layout(arch: Arch, ranks: Sequence[int], tp: int, dp: int = 1, *, exper
     heads, KV heads (or not a multiple of them), intermediate sizes or the padded vocab,
     a wrong number of ranks, ...
     """
-    ranks_arr = np.array([int(r) for r in ranks], np.int64)
-    if tp < 1 or dp < 1:
-        raise LayoutError(f"vLLM layout: tp and dp must be >= 1, got tp={tp}, dp={dp}")
-    if len(ranks_arr) != tp * dp:
-        raise LayoutError(f"vLLM layout: {len(ranks_arr)} ranks given for tp={tp} x dp={dp} = {tp * dp} ranks")
-    if len(np.unique(ranks_arr)) != len(ranks_arr):
-        raise LayoutError(f"vLLM layout: ranks {ranks_arr.tolist()} repeat a rank")
+    ranks_arr = engine_ranks(ranks, tp, dp, "vLLM")
     if expert_placement not in EXPERT_PLACEMENTS:
         raise LayoutError(f"unknown expert placement {expert_placement!r}; choose one of {EXPERT_PLACEMENTS}")
     vllm_dp = 1 if independent_engines else dp
