@@ -23,24 +23,10 @@ from hypothesis import strategies as st
 import reshard as rs
 from reshard.frameworks.vllm import EXPERTS_W2, EXPERTS_W13, expert_owners, pad_vocab, vllm_layout
 from reshard.models import Arch, get_arch, model_specs
+from tiny_archs import tiny
 
 SRC = 1000  # the source rank (holds every full tensor)
 F32 = torch.float32
-
-
-def tiny(family: str, **kw) -> Arch:
-    base = {
-        "llama": dict(hidden=32, layers=2, vocab=130, heads=4, kv_heads=2, head_dim=8, intermediate=48),
-        "qwen3": dict(hidden=32, layers=2, vocab=130, heads=4, kv_heads=2, head_dim=8, intermediate=48),
-        "qwen3_moe": dict(hidden=32, layers=2, vocab=130, heads=4, kv_heads=2, head_dim=8, intermediate=0,
-                          experts=5, moe_intermediate=24),
-        "deepseek_v3": dict(hidden=32, layers=3, vocab=130, heads=4, kv_heads=4, head_dim=12, intermediate=48,
-                            experts=5, moe_intermediate=16, shared_experts=1, first_dense_layers=1, q_lora_rank=24,
-                            kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8),
-    }[family]
-    base.update(kw)
-    base.setdefault("dtype", F32)
-    return Arch(family, **base)
 
 
 # ---------------------------------------------------------------------------- the oracle

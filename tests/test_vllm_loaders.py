@@ -50,25 +50,11 @@ import reshard as rs  # noqa: E402
 from reshard.frameworks.vllm import vllm_layout  # noqa: E402
 from reshard.models import Arch, model_specs  # noqa: E402
 from reshard.models.arch import to_hf_config  # noqa: E402
+from tiny_archs import tiny  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 F32, BF16 = torch.float32, torch.bfloat16
-
-
-def tiny(family: str, **kw) -> Arch:
-    base = {
-        "llama": dict(hidden=32, layers=2, vocab=130, heads=4, kv_heads=2, head_dim=8, intermediate=48),
-        "qwen3": dict(hidden=32, layers=2, vocab=130, heads=4, kv_heads=2, head_dim=8, intermediate=48),
-        "qwen3_moe": dict(hidden=32, layers=2, vocab=130, heads=4, kv_heads=2, head_dim=8, intermediate=48,
-                          experts=5, moe_intermediate=24),
-        "deepseek_v3": dict(hidden=32, layers=3, vocab=130, heads=4, kv_heads=4, head_dim=12, intermediate=48,
-                            experts=5, moe_intermediate=16, shared_experts=1, first_dense_layers=1, q_lora_rank=24,
-                            kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8),
-    }[family]
-    base.update(kw)
-    base.setdefault("dtype", F32)
-    return Arch(family, **base)
 
 
 @dataclass(frozen=True)
