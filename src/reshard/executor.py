@@ -98,7 +98,7 @@ class ReshardExecutor:
         start = time.perf_counter()
         copy_within(part.local, src_buffers, dst_buffers, rank)
         peak = 0
-        device = _device_of(src_buffers, dst_buffers)
+        device = device_of(src_buffers, dst_buffers)
         for j in range(part.num_rounds):
             sends, recvs = part.round(j)
             out = [pack(m, src_buffers, rank) for m in sends]
@@ -120,7 +120,8 @@ class ReshardExecutor:
                         part.num_rounds, len(part.sends))
 
 
-def _device_of(*groups: Buffers) -> torch.device:
+def device_of(*groups: Buffers) -> torch.device:
+    """The device of the first buffer given (CPU if none): where staging buffers go."""
     for g in groups:
         for t in g.values():
             return t.device

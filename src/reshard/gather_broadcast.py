@@ -23,7 +23,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .executor import Buffers, RunStats, agree, check_buffers
+from .executor import Buffers, RunStats, agree, check_buffers, device_of
 from .layout import Layout, buffer_view
 from .local import copy_within, pack, unpack
 from .placements import Replicate
@@ -47,12 +47,9 @@ def gather_broadcast_bytes(plan: Plan, root: int | None = None) -> dict[str, int
     root = min(plan.source.ranks) if root is None else root
     gather = Plan(plan.source, gather_layout(plan, root))
     receivers = [r for r in plan.destination.ranks if r != root]
-    full = sum(gather.destination.specs[n].numel * _itemsize(gather, n, root) for n in plan.tensors)
+    full = sum(gather.destination.specs[n].numel * gather.destination.buffer_spec(root, n)[1].itemsize
+               for n in plan.tensors)
     return {"gather": gather.wire_bytes, "broadcast": full * len(receivers)}
-
-
-def _itemsize(plan: Plan, name: str, root: int) -> int:
-    return torch.empty((), dtype=plan.destination.buffer_spec(root, name)[1]).element_size()
 
 
 class GatherBroadcastExecutor:
@@ -95,7 +92,7 @@ class GatherBroadcastExecutor:
         agree(self.group, self.plan.fingerprint(),
               check_buffers(self.plan.source, rank, src_buffers, need_src, "source")
               or check_buffers(self.plan.destination, rank, dst_buffers, need_dst, "destination"))
-        device = next(iter(list(src_buffers.values()) + list(dst_buffers.values())), torch.empty(0)).device
+        device = device_of(src_buffers, dst_buffers)
         start = time.perf_counter()
         sent = received = peak = 0
         for name in self.plan.tensors:
