@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from .intersect import FANOUT, LOCAL, REMOTE, TensorItems, tensor_items
-from .layout import Layout, LayoutError, PieceTable, dtype_class
+from .layout import Layout, LayoutError, dtype_class
 from .schedule import ALIGN, Copy, Message, chunk_stream, pair_quota
 
 PLAN_FORMAT = 1
@@ -90,7 +90,17 @@ class RankPlan:
         return 1 + max((m.round for m in self.sends + self.recvs), default=-1)
 
     def round(self, j: int) -> tuple[list[Message], list[Message]]:
-        return [m for m in self.sends if m.round == j], [m for m in self.recvs if m.round == j]
+        """(sends, receives) of round ``j``."""
+        return self._by_round.get(j, ([], []))
+
+    @cached_property
+    def _by_round(self) -> dict[int, tuple[list[Message], list[Message]]]:
+        out: dict[int, tuple[list[Message], list[Message]]] = defaultdict(lambda: ([], []))
+        for m in self.sends:
+            out[m.round][0].append(m)
+        for m in self.recvs:
+            out[m.round][1].append(m)
+        return dict(out)
 
     @property
     def send_bytes(self) -> int:
@@ -135,7 +145,7 @@ class Plan:
         self.destination = destination
         self.max_bucket_bytes = max_bucket_bytes
         self._fingerprint: str | None = None
-        self._stacked_cache: dict[int, tuple | None] = {}
+        self._stacked_cache: dict[int, tuple] = {}
         self.tensors = [n for n, t in destination.tables.items() if len(t)]
         keyed: dict[tuple, list[str]] = {}
         for name in self.tensors:
@@ -378,90 +388,59 @@ class Plan:
         return out
 
     def _group_copies(self, g: _Group, inst: np.ndarray, items: np.ndarray, pieces: np.ndarray) -> list[Copy]:
-        """Copy records of rows (instance, item, source piece) of one group, with array operations
-        across instances; falls back to one instance at a time if their buffers differ in rank."""
-        stacked = self._stacked(g)
-        if stacked is None:
-            out: list = [None] * len(inst)
-            for i in np.unique(inst).tolist():
-                rows = np.flatnonzero(inst == i)
-                for r, c in zip(rows.tolist(), self._copies(g, i, items[rows], pieces[rows])):
-                    out[r] = c
-            return out
-        src_bo, dst_bo, src_names, dst_names, dtypes = stacked
+        """Copy records of rows (instance, item, source piece) of one group (for fan-out items the
+        source piece is a destination piece), with array operations across the group's tensors."""
+        cls_of, slot, stacks, src_names, dst_names, dtypes = self._stacked(g)
         it = g.items
         name0 = g.tensors[0]
         st, dt = self.source.tables[name0], self.destination.tables[name0]  # same boxes in every instance
         off, dp = it.offsets[items], it.dst_piece[items]
         d = off.shape[1]
         fan = it.kind[items] == FANOUT
-        src_off = np.empty((len(items), src_bo.shape[2]), np.int64)
-        if (~fan).any():
-            rows, p = np.flatnonzero(~fan), pieces[~fan]
-            src_off[rows] = src_bo[inst[rows], p]
-            src_off[rows, src_bo.shape[2] - d:] += off[rows] - st.offsets[p]
-        fan_off = None
-        if fan.any():
-            rows, p = np.flatnonzero(fan), pieces[fan]
-            fan_off = dst_bo[inst[rows], p]
-            fan_off[:, dst_bo.shape[2] - d:] += off[rows] - dt.offsets[p]
-        dst_off = dst_bo[inst, dp]
-        dst_off[:, dst_bo.shape[2] - d:] += off - dt.offsets[dp]
-        src_list = src_off.tolist()
-        if fan_off is not None:
-            for r, v in zip(np.flatnonzero(fan).tolist(), fan_off.tolist()):
-                src_list[r] = v
+        src_off: list = [None] * len(items)
+        dst_off: list = [None] * len(items)
+        for c, (src_bo, dst_bo) in enumerate(stacks):
+            rows = np.flatnonzero(cls_of[inst] == c)
+            for stack, boxes, sel, out in ((src_bo, st.offsets, ~fan[rows], src_off),
+                                           (dst_bo, dt.offsets, fan[rows], src_off),
+                                           (dst_bo, dt.offsets, None, dst_off)):
+                r = rows if sel is None else rows[sel]
+                p = dp[r] if sel is None else pieces[r]
+                bo = stack[slot[inst[r]], p]
+                bo[:, bo.shape[1] - d:] += off[r] - boxes[p]
+                for k, v in zip(r.tolist(), bo.tolist()):
+                    out[k] = v
         names = g.tensors
         return [
             Copy(names[i], tuple(o), tuple(z), (dst_names[i][sp] if f else src_names[i][sp]), tuple(so),
                  dst_names[i][q], tuple(do), dtypes[i][q])
             for i, o, z, sp, f, so, q, do in zip(inst.tolist(), off.tolist(), it.sizes[items].tolist(),
-                                                 pieces.tolist(), fan.tolist(), src_list, dp.tolist(),
-                                                 dst_off.tolist())
+                                                 pieces.tolist(), fan.tolist(), src_off, dp.tolist(), dst_off)
         ]
 
     def _stacked(self, g: _Group):
-        """Per group, cached: buffer offsets of every instance's pieces stacked, plus buffer names and dtypes."""
-        cache = self._stacked_cache
-        key = id(g)
-        if key not in cache:
+        """Per group, cached: its tensors sorted into classes by their buffers' numbers of dims, each
+        class with its pieces' buffer offsets stacked ``[members, pieces, dims]`` (source, destination);
+        each tensor's class and slot in it; and every tensor's buffer names and dtypes."""
+        hit = self._stacked_cache.get(id(g))
+        if hit is None:
             src = [self.source.tables[n] for n in g.tensors]
             dst = [self.destination.tables[n] for n in g.tensors]
-            if len({t.buffer_offsets.shape[1] for t in src}) > 1 or len({t.buffer_offsets.shape[1] for t in dst}) > 1:
-                cache[key] = None
-            else:
-                cache[key] = (np.stack([t.buffer_offsets for t in src]), np.stack([t.buffer_offsets for t in dst]),
-                              [t.buffers for t in src], [t.buffers for t in dst],
-                              [self.destination.piece_dtypes(n) for n in g.tensors])
-        return cache[key]
-
-    def _copies(self, g: _Group, i: int, items: np.ndarray, pieces: np.ndarray) -> list[Copy]:
-        """Copy records of ``items`` of instance ``i`` whose source pieces are ``pieces``
-        (for fan-out items: destination pieces)."""
-        name = g.tensors[i]
-        it = g.items
-        dt, st = self.destination.tables[name], self.source.tables[name]
-        off, dp = it.offsets[items], it.dst_piece[items]
-        fan = it.kind[items] == FANOUT
-        src_buf: list = [None] * len(items)
-        src_off: list = [None] * len(items)
-        for table, rows in ((st, np.flatnonzero(~fan)), (dt, np.flatnonzero(fan))):
-            for r, bo in zip(rows.tolist(), _placed(table, pieces[rows], off[rows]).tolist()):
-                src_buf[r] = table.buffers[pieces[r]]
-                src_off[r] = tuple(bo)
-        dst_off = _placed(dt, dp, off).tolist()
-        dtypes = self.destination.piece_dtypes(name)
-        return [Copy(name, tuple(o), tuple(z), sb, so, dt.buffers[q], tuple(do), dtypes[q])
-                for o, z, sb, so, q, do in zip(off.tolist(), it.sizes[items].tolist(), src_buf, src_off,
-                                               dp.tolist(), dst_off)]
-
-
-def _placed(table: PieceTable, pieces: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-    """Where boxes at tensor ``offsets`` sit inside the buffers of ``pieces``: buffer offsets per row."""
-    bo = table.buffer_offsets[pieces].copy()
-    d = offsets.shape[1]
-    bo[:, bo.shape[1] - d:] += offsets - table.offsets[pieces]
-    return bo
+            classes: dict[tuple[int, int], list[int]] = defaultdict(list)
+            for i, (a, b) in enumerate(zip(src, dst)):
+                classes[(a.buffer_offsets.shape[1], b.buffer_offsets.shape[1])].append(i)
+            cls_of = np.zeros(len(g.tensors), np.int64)
+            slot = np.zeros(len(g.tensors), np.int64)
+            stacks = []
+            for c, members in enumerate(classes.values()):
+                cls_of[members] = c
+                slot[members] = np.arange(len(members))
+                stacks.append((np.stack([src[i].buffer_offsets for i in members]),
+                               np.stack([dst[i].buffer_offsets for i in members])))
+            hit = self._stacked_cache[id(g)] = (
+                cls_of, slot, stacks, [t.buffers for t in src], [t.buffers for t in dst],
+                [self.destination.piece_dtypes(n) for n in g.tensors])
+        return hit
 
 
 def plan(source: Layout, destination: Layout, *, max_bucket_bytes: int | None = None) -> Plan:
