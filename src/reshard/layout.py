@@ -349,13 +349,30 @@ class Layout:
     def piece_dtypes(self, name: str) -> list[torch.dtype]:
         """The dtype of the buffer each piece of ``name`` lives in."""
         t = self.tables[name]
-        by_name = self._dtype_by_name()
-        names = set(t.buffers)
+        by_name = self._dtypes if self._dtypes is not None else self._dtype_by_name()
+        bufs = t.buffers
+        if bufs and bufs.count(bufs[0]) == len(bufs):
+            dt = by_name.get(bufs[0])
+            if dt is not None:
+                return [dt] * len(bufs)
+        names = set(bufs)
         if all(by_name.get(b) is not None for b in names):
             if len(names) == 1:
                 return [by_name[t.buffers[0]]] * len(t) if len(t) else []
             return [by_name[b] for b in t.buffers]
         return [self._buffers[r][b][1] for r, b in zip(t.ranks.tolist(), t.buffers)]
+
+    def uniform_itemsize(self, name: str) -> int | None:
+        """Bytes per element when every piece of ``name`` lives in buffers of one dtype, else None."""
+        single = self.single_dtype
+        if single is not None:
+            return single.itemsize
+        bufs = self.tables[name].buffers
+        if bufs and bufs.count(bufs[0]) == len(bufs):
+            dt = self._dtype_by_name().get(bufs[0])
+            return None if dt is None else dt.itemsize
+        sizes = set(self.itemsizes(name).tolist())
+        return sizes.pop() if len(sizes) == 1 else None
 
     def itemsizes(self, name: str) -> np.ndarray:
         """Bytes per element of the buffer each piece of ``name`` lives in (int64 [k])."""
@@ -363,6 +380,11 @@ class Layout:
         single = self.single_dtype
         if single is not None:
             return np.full(len(t), single.itemsize, np.int64)
+        bufs = t.buffers
+        if bufs and bufs.count(bufs[0]) == len(bufs):  # the common case: one buffer name
+            dt = self._dtype_by_name().get(bufs[0])
+            if dt is not None:
+                return np.full(len(t), dt.itemsize, np.int64)
         dtypes = self.piece_dtypes(name)
         if len(set(dtypes)) == 1:
             return np.full(len(t), dtypes[0].itemsize, np.int64)

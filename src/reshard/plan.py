@@ -22,6 +22,7 @@ Per-rank view (``plan.for_rank(r)``)::
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -120,9 +121,9 @@ class RankPlan:
 
 def _check_pair(source: Layout, destination: Layout) -> None:
     for name, dspec in destination.specs.items():
-        if not len(destination.tables[name]):
-            continue
         sspec = source.specs.get(name)
+        if sspec is dspec or not len(destination.tables[name]):  # layouts built from one model's specs
+            continue
         if sspec is None:
             r = int(destination.tables[name].ranks[0])
             raise LayoutError(f"unknown tensor {name!r}: destination rank {r} needs it but the source layout "
@@ -132,6 +133,28 @@ def _check_pair(source: Layout, destination: Layout) -> None:
         if dtype_class(sspec.dtype) != dtype_class(dspec.dtype):
             raise LayoutError(f"tensor {name!r}: source dtype {sspec.dtype} and destination dtype {dspec.dtype} "
                               f"are of different classes")
+
+
+def _row_tuples(a: np.ndarray) -> list[tuple[int, ...]]:
+    """Rows of a 2-D int array as tuples (column-wise ``tolist`` + ``zip``: the fast way)."""
+    if a.shape[1] == 0:
+        return [()] * len(a)
+    return list(zip(*a.T.tolist()))
+
+
+def _geometry_id(table, interned: dict) -> int:
+    """A small int per distinct geometry; tables built from the same read-only arrays (framework
+    builders share them between layers) skip hashing their contents again."""
+    arrays = (table.ranks, table.offsets, table.sizes)
+    shared = not any(a.flags.writeable for a in arrays)
+    if shared:
+        hit = interned.get(tuple(map(id, arrays)))
+        if hit is not None:
+            return hit
+    gid = interned.setdefault(table.geometry_key(), len(interned))
+    if shared:  # the arrays stay alive (their tables hold them) while ``interned`` is in use
+        interned[tuple(map(id, arrays))] = gid
+    return gid
 
 
 class Plan:
@@ -148,9 +171,10 @@ class Plan:
         self._stacked_cache: dict[int, tuple] = {}
         self.tensors = [n for n, t in destination.tables.items() if len(t)]
         keyed: dict[tuple, list[str]] = {}
+        interned: dict = {}
         for name in self.tensors:
-            st, dt = source.tables[name], destination.tables[name]
-            key = (destination.specs[name].shape, st.geometry_key(), dt.geometry_key())
+            key = (destination.specs[name].shape, _geometry_id(source.tables[name], interned),
+                   _geometry_id(destination.tables[name], interned))
             keyed.setdefault(key, []).append(name)
         position = {n: i for i, n in enumerate(self.tensors)}
         self._groups: list[_Group] = []
@@ -162,9 +186,16 @@ class Plan:
             if destination.single_dtype is not None:  # the common case: one itemsize everywhere
                 isz = np.full((1, len(dt)), destination.single_dtype.itemsize, np.int64)
             else:
-                sizes = [destination.itemsizes(n) for n in names]
-                same = all(np.array_equal(sizes[0], x) for x in sizes[1:])
-                isz = sizes[0][None, :] if same else np.stack(sizes)
+                uniform = [destination.uniform_itemsize(n) for n in names]
+                if None not in uniform:  # each tensor's pieces share one buffer dtype
+                    col = np.array(uniform, np.int64)[:, None]
+                    if (col == col[0]).all():
+                        col = col[:1]
+                    isz = np.broadcast_to(col, (len(col), len(dt)))
+                else:
+                    sizes = [destination.itemsizes(n) for n in names]
+                    same = all(np.array_equal(sizes[0], x) for x in sizes[1:])
+                    isz = sizes[0][None, :] if same else np.stack(sizes)
             isz = isz[:, items.dst_piece]
             n_inst = len(names)
             # a remote copy with one candidate needs no choice
@@ -192,24 +223,66 @@ class Plan:
 
     # ------------------------------------------------------------------ source choice
     def _choose_sources(self) -> None:
-        load = np.zeros(max(self.source.ranks, default=0) + 1, np.int64)
+        """Replicas: largest copies first, each to its least-loaded candidate (ties: lowest rank);
+        the instances of a geometry are dealt round-robin over the candidates in that order."""
+        fixed_load = np.zeros(max(self.source.ranks, default=0) + 1, np.int64)
         work = []
         for gi, g in enumerate(self._groups):
             fixed = np.flatnonzero((g.items.kind == REMOTE) & (g.choice_of < 0))
-            load += np.bincount(g.rank[fixed], weights=g.total_bytes[fixed], minlength=len(load)).astype(np.int64)
-            work.extend((-int(g.total_bytes[k]), gi, j) for j, k in enumerate(g.choice_cols.tolist()))
+            fixed_load += np.bincount(g.rank[fixed], weights=g.total_bytes[fixed],
+                                      minlength=len(fixed_load)).astype(np.int64)
+            work.extend(zip((-g.total_bytes[g.choice_cols]).tolist(), itertools.repeat(gi), range(len(g.choice_cols))))
         work.sort()
-        for _, gi, j in work:  # replicas: largest copies first, to the least loaded candidate
+        load = fixed_load.tolist()  # plain ints: this loop does a few list operations per copy
+        cand_ranks: dict[int, list[list[int]]] = {}
+        orders: dict[int, list[list[int]]] = {}
+        for _, gi, j in work:
             g = self._groups[gi]
-            it = g.items
-            k = int(g.choice_cols[j])
-            cands = it.candidates[it.cand_start[k]: it.cand_start[k] + it.cand_count[k]]
-            cand_ranks = self.source.tables[g.tensors[0]].ranks[cands]
-            order = np.lexsort((cand_ranks, load[cand_ranks]))
-            pick = order[np.arange(len(g.tensors)) % len(order)]
-            g.choice_piece[:, j] = cands[pick]
-            g.choice_rank[:, j] = cand_ranks[pick]
-            np.add.at(load, cand_ranks[pick], g.nbytes[:, k])
+            ranks = cand_ranks.get(gi)
+            if ranks is None:
+                ranks = cand_ranks[gi] = self._candidate_ranks(g)
+                orders[gi] = [[]] * len(g.choice_cols)
+            cr = ranks[j]
+            m = len(cr)
+            order = sorted(range(m), key=lambda x: (load[cr[x]], cr[x]))
+            for x, b in zip(order, self._dealt_bytes(g, j, m)):
+                load[cr[x]] += b
+            orders[gi][j] = order
+        for gi, g in enumerate(self._groups):
+            if len(g.choice_cols):
+                self._fill_choices(g, orders[gi])
+
+    def _candidate_ranks(self, g: _Group) -> list[list[int]]:
+        it = g.items
+        ranks = self.source.tables[g.tensors[0]].ranks[it.candidates].tolist()
+        starts, counts = it.cand_start[g.choice_cols].tolist(), it.cand_count[g.choice_cols].tolist()
+        return [ranks[a: a + c] for a, c in zip(starts, counts)]
+
+    @staticmethod
+    def _dealt_bytes(g: _Group, j: int, m: int) -> list[int]:
+        """Bytes each of ``m`` candidates gets when the instances of choice column ``j`` are
+        dealt round-robin (instance i to the ``i % m``-th candidate in order)."""
+        n = len(g.tensors)
+        k = int(g.choice_cols[j])
+        column = g.nbytes[:, k]
+        if column.strides[0] == 0 or n == 1:  # one size for every instance
+            q, rem = divmod(n, m)
+            w = int(column[0])
+            return [(q + (p < rem)) * w for p in range(m)]
+        return np.bincount(np.arange(n) % m, weights=column, minlength=m).astype(np.int64).tolist()
+
+    def _fill_choices(self, g: _Group, orders: list[list[int]]) -> None:
+        it = g.items
+        n = len(g.tensors)
+        starts = it.cand_start[g.choice_cols]
+        counts = it.cand_count[g.choice_cols]
+        for m in np.unique(counts).tolist():  # columns with m candidates, all at once
+            cols = np.flatnonzero(counts == m)
+            order = np.array([orders[c] for c in cols.tolist()], np.int64).reshape(len(cols), m)
+            slot = order[:, np.arange(n) % m]  # [cols, instances]
+            pieces = it.candidates[starts[cols][:, None] + slot]
+            g.choice_piece[:, cols] = pieces.T
+        g.choice_rank[:] = self.source.tables[g.tensors[0]].ranks[g.choice_piece]
 
     # ------------------------------------------------------------------ figures
     def _rows(self, kind: int):
@@ -377,10 +450,10 @@ class Plan:
                     out.fanout.append(c)
                 else:
                     streams[(s, int(g.dst_rank[k]))].append((int(g.tensor_index[i]), k, c))
-        per_rank = self._streams
+        per_rank = self._streams if self.max_bucket_bytes is not None else {}  # no cap: one round
         for (s, d), entries in sorted(streams.items()):
             entries.sort(key=lambda e: (e[0], e[1]))
-            quota = pair_quota(self.max_bucket_bytes, per_rank[s], per_rank[d])
+            quota = pair_quota(self.max_bucket_bytes, per_rank.get(s, 1), per_rank.get(d, 1))
             for j, chunk in enumerate(chunk_stream([e[2] for e in entries], quota)):
                 (out.sends if s == rank else out.recvs).append(Message(d if s == rank else s, j, chunk))
         out.sends.sort(key=lambda m: (m.round, m.peer))
@@ -400,21 +473,25 @@ class Plan:
         src_off: list = [None] * len(items)
         dst_off: list = [None] * len(items)
         for c, (src_bo, dst_bo) in enumerate(stacks):
-            rows = np.flatnonzero(cls_of[inst] == c)
+            rows = np.flatnonzero(cls_of[inst] == c) if len(stacks) > 1 else np.arange(len(items))
             for stack, boxes, sel, out in ((src_bo, st.offsets, ~fan[rows], src_off),
                                            (dst_bo, dt.offsets, fan[rows], src_off),
                                            (dst_bo, dt.offsets, None, dst_off)):
                 r = rows if sel is None else rows[sel]
+                if not len(r):
+                    continue
                 p = dp[r] if sel is None else pieces[r]
                 bo = stack[slot[inst[r]], p]
                 bo[:, bo.shape[1] - d:] += off[r] - boxes[p]
-                for k, v in zip(r.tolist(), bo.tolist()):
-                    out[k] = v
+                if len(r) == len(items):
+                    out[:] = _row_tuples(bo)
+                else:
+                    for k, v in zip(r.tolist(), _row_tuples(bo)):
+                        out[k] = v
         names = g.tensors
         return [
-            Copy(names[i], tuple(o), tuple(z), (dst_names[i][sp] if f else src_names[i][sp]), tuple(so),
-                 dst_names[i][q], tuple(do), dtypes[i][q])
-            for i, o, z, sp, f, so, q, do in zip(inst.tolist(), off.tolist(), it.sizes[items].tolist(),
+            Copy(names[i], o, z, (dst_names[i][sp] if f else src_names[i][sp]), so, dst_names[i][q], do, dtypes[i][q])
+            for i, o, z, sp, f, so, q, do in zip(inst.tolist(), _row_tuples(off), _row_tuples(it.sizes[items]),
                                                  pieces.tolist(), fan.tolist(), src_off, dp.tolist(), dst_off)
         ]
 

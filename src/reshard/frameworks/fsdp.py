@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from ..layout import Layout, LayoutError, PieceTable, TensorSpec
+from . import framework_layout
 from ..models.arch import Arch, model_specs
 from ..placements import Replicate, Shard, StridedShard
 
@@ -106,7 +107,7 @@ def fsdp_layout(
     ``(dp_replicate, dp_shard, tp)``. ``dtype`` overrides the buffers' dtype (fp32 master
     weights, say). ``tp_plan`` maps module-name patterns to ``"colwise"`` / ``"rowwise"`` /
     ``"replicate"`` (default :data:`DEFAULT_TP_PLAN`). ``validate=None`` validates layouts of
-    up to 200 k pieces. Tensors with the same shape and placements share their piece arrays, so
+    up to 100 k pieces. Tensors with the same shape and placements share their piece arrays, so
     big models build fast.
     """
     specs = model_specs(arch_or_specs) if isinstance(arch_or_specs, Arch) else list(arch_or_specs)
@@ -146,9 +147,7 @@ def fsdp_layout(
         bdtype = dtype or spec.dtype
         for r in ranks:
             buffers[r][spec.name] = (shapes[r], bdtype)
-    if validate is None:
-        validate = sum(len(t) for t in tables.values()) <= 200_000
-    return Layout(by_name, tables, buffers, validate=validate)
+    return framework_layout(by_name, tables, buffers, validate)
 
 
 __all__ = ["COLWISE", "DEFAULT_TP_PLAN", "REPLICATE", "ROWWISE", "fsdp_layout", "fsdp_placements", "tp_placement"]

@@ -70,12 +70,11 @@ import torch
 
 from . import engine_ranks
 from ..layout import Layout, LayoutError, PieceTable, TensorSpec
+from . import framework_layout
 from ..models.arch import Arch, get_arch, model_specs
 from ..placements import Placement, Replicate, Shard, StridedShard, _local_runs
 
 TRANSFORMERS_VERSION = "5.19.0"  # the version whose plans and parameter forms this module follows
-VALIDATE_MAX_PIECES = 100_000  # validate=None checks layouts up to this many pieces
-
 # model.tp_plan of the causal-LM classes in transformers 5.19.0: the config's base_model_tp_plan
 # prefixed with "model." and the *ForCausalLM class's _tp_plan. The slow test checks them against
 # the installed transformers.
@@ -362,6 +361,4 @@ def hf_layout(arch: Arch | str, ranks: Sequence[int], tp: int, dp: int = 1, *, d
                                             np.tile(sizes, (dp, 1)), (p.name,) * (len(coords) * dp),
                                             np.tile(boffs, (dp, 1)))
     buffers = {int(r): dict(per_coord[t]) for d in range(dp) for t, r in enumerate(grid[d].tolist())}
-    if validate is None:
-        validate = sum(len(t) for t in tables.values()) <= VALIDATE_MAX_PIECES
-    return Layout(specs, tables, buffers, validate=validate)
+    return framework_layout(specs, tables, buffers, validate)

@@ -86,6 +86,7 @@ import numpy as np
 import torch
 
 from ..layout import Layout, LayoutError, PieceTable
+from . import framework_layout
 from ..models.arch import Arch, model_specs
 
 ALIAS = "#"
@@ -454,7 +455,8 @@ def megatron_layout(
     and expert-DP 2. ``pp_layers`` gives the decoder
     layers of each stage (default: even). ``dtype`` overrides the buffers' dtype (fp32 master
     weights, say); the router's ``expert_bias`` stays float32 as Megatron keeps it.
-    ``validate=None`` validates layouts up to 200 k pieces (``Layout.validate`` loops in Python).
+    ``validate=None`` validates layouts up to :data:`VALIDATE_MAX_PIECES` pieces (the layout is
+    correct by construction; tests validate it on small configurations).
     See the module docstring for rank order, names and local forms. Impossible configurations
     raise :class:`LayoutError` with a one-line message.
     """
@@ -534,9 +536,7 @@ def megatron_layout(
         d = dict(dense_bufs[(int(s), int(t))])
         d.update(expert_bufs.get((int(s), int(e), int(et)), {}))
         buffers[r] = d
-    if validate is None:
-        validate = sum(len(t) for t in tables.values()) <= 200_000
-    return Layout(specs, tables, buffers, validate=validate)
+    return framework_layout(specs, tables, buffers, validate)
 
 
 def with_aliases(layout: Layout, rank: int, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

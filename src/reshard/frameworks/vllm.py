@@ -64,6 +64,7 @@ import torch
 
 from . import engine_ranks
 from ..layout import Layout, LayoutError, PieceTable, TensorSpec
+from . import framework_layout
 from ..models.arch import Arch, model_specs
 
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
@@ -72,8 +73,6 @@ EXPERT_PLACEMENTS = ("linear", "round_robin")
 # ``routed_experts`` child (older releases had them directly under ``mlp.experts``)
 EXPERTS_W13 = "mlp.experts.routed_experts.w13_weight"
 EXPERTS_W2 = "mlp.experts.routed_experts.w2_weight"
-VALIDATE_MAX_PIECES = 100_000  # validate=None checks layouts up to this many pieces
-
 _REPLICATED_SUFFIXES = frozenset({
     "input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_norm.weight",
     "self_attn.k_norm.weight", "self_attn.q_a_layernorm.weight", "self_attn.kv_a_layernorm.weight",
@@ -153,9 +152,7 @@ def vllm_layout(arch: Arch, ranks: Sequence[int], tp: int, dp: int = 1, *, exper
         if b.add(spec):
             specs[spec.name] = spec
     tables = {name: b.tables[name] for name in specs}
-    if validate is None:
-        validate = sum(len(t) for t in tables.values()) <= VALIDATE_MAX_PIECES
-    return Layout(specs, tables, b.rank_buffers(), validate=validate)
+    return framework_layout(specs, tables, b.rank_buffers(), validate)
 
 
 def _check(a: Arch, tp: int, dp: int, independent: bool, ep: bool, shared_replicated: bool) -> None:
@@ -188,6 +185,14 @@ def _check(a: Arch, tp: int, dp: int, independent: bool, ep: bool, shared_replic
                                     f"data-parallel deployment)")
     if a.shared_experts and not shared_replicated:
         need(a.shared_experts * a.moe_intermediate, tp, "shared-expert intermediate size")
+
+
+def _frozen(arrays: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
+    """Mark cached geometry arrays read-only: many tables share them (and the planner may then
+    recognise a shared geometry by identity)."""
+    for a in arrays:
+        a.flags.writeable = False
+    return arrays
 
 
 class _Builder:
@@ -263,7 +268,7 @@ class _Builder:
             boffs = np.zeros((self.n, nd), np.int64)
             boffs[:, 0] = row
             g = (self.ranks, np.zeros((self.n, nd), np.int64), np.tile(np.array(shape, np.int64), (self.n, 1)), boffs)
-            self._cache[key] = g
+            self._cache[key] = g = _frozen(g)
         return g
 
     def _rows(self, shape: tuple[int, ...], parts: int, rep: int = 1, row: int = 0) -> tuple[np.ndarray, ...]:
@@ -277,7 +282,7 @@ class _Builder:
             boffs = np.zeros((self.n, 2), np.int64)
             boffs[:, 0] = row
             g = (self.ranks, offsets, np.tile(np.array([s, shape[1]], np.int64), (self.n, 1)), boffs)
-            self._cache[key] = g
+            self._cache[key] = g = _frozen(g)
         return g
 
     def _cols(self, shape: tuple[int, ...]) -> tuple[np.ndarray, ...]:
@@ -290,7 +295,7 @@ class _Builder:
             offsets[:, 1] = self.t * s
             g = (self.ranks, offsets, np.tile(np.array([shape[0], s], np.int64), (self.n, 1)),
                  np.zeros((self.n, 2), np.int64))
-            self._cache[key] = g
+            self._cache[key] = g = _frozen(g)
         return g
 
     def _vocab(self, shape: tuple[int, ...]) -> tuple[np.ndarray, ...]:
@@ -307,7 +312,7 @@ class _Builder:
             offsets[:, 0] = start[keep]
             sizes = np.stack([real[keep], np.full(k, h, np.int64)], axis=1)
             g = (self.ranks[keep], offsets, sizes, np.zeros((k, 2), np.int64))
-            self._cache[key] = g
+            self._cache[key] = g = _frozen(g)
         return g
 
     def _expert(self, e: int, which: str) -> tuple[np.ndarray, ...]:
@@ -331,7 +336,7 @@ class _Builder:
                 if which == "up":
                     boffs[:, :, 1] = s
                 g = (self.ranks, offsets, np.tile(sizes, (self.n, 1)), boffs)
-                self._cache[key] = g
+                self._cache[key] = g = _frozen(g)
             return g[0], g[1], g[2], g[3][e]
         key = ("xep", which)
         g = self._cache.get(key)
@@ -345,7 +350,7 @@ class _Builder:
                 boffs[:, :, 1] = a.moe_intermediate
             g = (self.ranks[idx], np.zeros((groups, 2), np.int64), np.tile(np.array(shape, np.int64), (groups, 1)),
                  boffs)
-            self._cache[key] = g
+            self._cache[key] = g = _frozen(g)
         return g[0][e], g[1], g[2], g[3][e]
 
     # ------------------------------------------------------------------ tensors

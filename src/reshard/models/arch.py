@@ -17,6 +17,8 @@ Families and what differs::
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import asdict, dataclass, replace
 from typing import Mapping
 
@@ -216,6 +218,12 @@ def _layer(a: Arch, i: int) -> list[tuple[str, tuple[int, ...]]]:
 
 def model_specs(a: Arch) -> list[TensorSpec]:
     """Every logical tensor of ``a``, in checkpoint order (embedding, layers, norm, head, MTP)."""
+    return list(_specs(a))
+
+
+@functools.lru_cache(maxsize=4)
+def _specs(a: Arch) -> tuple[TensorSpec, ...]:
+    """Cached: a training and an inference layout of one model share the ~60 k specs."""
     named = [("model.embed_tokens.weight", (a.vocab, a.hidden))]
     for i in range(a.layers):
         named += _layer(a, i)
@@ -230,7 +238,7 @@ def model_specs(a: Arch) -> list[TensorSpec]:
                   (p + "shared_head.norm.weight", (a.hidden,)), (p + "shared_head.head.weight", (a.vocab, a.hidden))]
         named += _layer(a, i)
     fp32 = (".e_score_correction_bias",)
-    return [TensorSpec(n, s, torch.float32 if n.endswith(fp32) else a.dtype) for n, s in named]
+    return tuple(TensorSpec(n, s, torch.float32 if n.endswith(fp32) else a.dtype) for n, s in named)
 
 
 CATEGORIES = ("attention", "dense_mlp", "experts", "embeddings", "norms", "router")
