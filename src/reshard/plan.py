@@ -244,7 +244,10 @@ class Plan:
                 orders[gi] = [[]] * len(g.choice_cols)
             cr = ranks[j]
             m = len(cr)
-            order = sorted(range(m), key=lambda x: (load[cr[x]], cr[x]))
+            if m == 2:  # the common case (two replicas), without a sort
+                order = [0, 1] if (load[cr[0]], cr[0]) <= (load[cr[1]], cr[1]) else [1, 0]
+            else:
+                order = sorted(range(m), key=lambda x: (load[cr[x]], cr[x]))
             for x, b in zip(order, self._dealt_bytes(g, j, m)):
                 load[cr[x]] += b
             orders[gi][j] = order
@@ -427,7 +430,8 @@ class Plan:
         """``rank``'s sends, receives, local and fan-out copies; other ranks' copies are not built."""
         rank = int(rank)
         out = RankPlan(rank)
-        streams: dict[tuple[int, int], list[tuple[int, int, Copy]]] = defaultdict(list)
+        all_copies: list[Copy] = []  # remote copies of every group, then sorted into streams
+        keys: list[tuple[np.ndarray, ...]] = []
         for g in self._groups:
             cols = np.flatnonzero((g.choice_of < 0) & ((g.rank == rank) | (g.dst_rank == rank)))
             inst = np.repeat(np.arange(len(g.tensors)), len(cols))
@@ -442,20 +446,27 @@ class Plan:
             if not len(inst):
                 continue
             copies = self._group_copies(g, inst, item, piece)
-            for c, kind, i, k, s in zip(copies, g.items.kind[item].tolist(), inst.tolist(), item.tolist(),
-                                        src_rank.tolist()):
-                if kind == LOCAL:
-                    out.local.append(c)
-                elif kind == FANOUT:
-                    out.fanout.append(c)
-                else:
-                    streams[(s, int(g.dst_rank[k]))].append((int(g.tensor_index[i]), k, c))
-        per_rank = self._streams if self.max_bucket_bytes is not None else {}  # no cap: one round
-        for (s, d), entries in sorted(streams.items()):
-            entries.sort(key=lambda e: (e[0], e[1]))
-            quota = pair_quota(self.max_bucket_bytes, per_rank.get(s, 1), per_rank.get(d, 1))
-            for j, chunk in enumerate(chunk_stream([e[2] for e in entries], quota)):
-                (out.sends if s == rank else out.recvs).append(Message(d if s == rank else s, j, chunk))
+            kind = g.items.kind[item]
+            for k in (LOCAL, FANOUT):
+                rows = np.flatnonzero(kind == k)
+                if len(rows):
+                    (out.local if k == LOCAL else out.fanout).extend(copies[r] for r in rows.tolist())
+            remote = np.flatnonzero(kind == REMOTE)
+            all_copies.extend(copies[r] for r in remote.tolist())
+            keys.append((src_rank[remote], g.dst_rank[item[remote]], g.tensor_index[inst[remote]], item[remote]))
+        if keys:  # one stream per (source, destination) pair, copies ordered by (tensor, item)
+            s_, d_, t_, k_ = (np.concatenate(x) for x in zip(*keys))
+            order = np.lexsort((k_, t_, d_, s_))
+            s_, d_ = s_[order], d_[order]
+            cut = np.flatnonzero((s_[1:] != s_[:-1]) | (d_[1:] != d_[:-1])) + 1
+            bounds = [0, *cut.tolist(), len(order)]
+            order = order.tolist()
+            per_rank = self._streams if self.max_bucket_bytes is not None else {}  # no cap: one round
+            for a, b in zip(bounds[:-1], bounds[1:]):
+                s, d = int(s_[a]), int(d_[a])
+                quota = pair_quota(self.max_bucket_bytes, per_rank.get(s, 1), per_rank.get(d, 1))
+                for j, chunk in enumerate(chunk_stream([all_copies[x] for x in order[a:b]], quota)):
+                    (out.sends if s == rank else out.recvs).append(Message(d if s == rank else s, j, chunk))
         out.sends.sort(key=lambda m: (m.round, m.peer))
         out.recvs.sort(key=lambda m: (m.round, m.peer))
         return out
