@@ -452,6 +452,8 @@ class Plan:
                 if len(rows):
                     (out.local if k == LOCAL else out.fanout).extend(copies[r] for r in rows.tolist())
             remote = np.flatnonzero(kind == REMOTE)
+            if not len(remote):
+                continue
             all_copies.extend(copies[r] for r in remote.tolist())
             keys.append((src_rank[remote], g.dst_rank[item[remote]], g.tensor_index[inst[remote]], item[remote]))
         if keys:  # one stream per (source, destination) pair, copies ordered by (tensor, item)
