@@ -84,6 +84,40 @@ def _run_scenarios(rank, world):
         totals = [None] * world
         dist.all_gather_object(totals, plan.for_rank(rank).recv_bytes)
         assert sum(totals) == plan.wire_bytes
+    _run_hierarchical(rank, world)
+
+
+def _run_hierarchical(rank, world):
+    """Pretend NVLink domains {2, 3} and {4, 5} of destinations (sources 0 and 1 each alone):
+    ``a`` is replicated on all four, ``b`` sharded over 2 and replicated within each domain, so
+    every domain takes each byte it needs over the "network" once and forwards the rest."""
+    from reshard.executor import HierarchicalExecutor
+    from reshard.hierarchy import domain_need_bytes, hierarchical_plan
+
+    a = rs.TensorSpec("a", (12, 6), torch.bfloat16)
+    b = rs.TensorSpec("b", (8, 5), torch.float32)
+    src = rs.Layout.merge([rs.Layout.from_placements(a, [0, 1], (2,), [rs.Shard(1)]),
+                           rs.Layout.from_placements(b, [0, 1], (2,), [rs.Replicate()])])
+    dst = rs.Layout.merge([rs.Layout.from_placements(a, [2, 3, 4, 5], (4,), [rs.Replicate()]),
+                           rs.Layout.from_placements(b, [2, 3, 4, 5], (2, 2), [rs.Shard(0), rs.Replicate()])])
+    domains = {0: 0, 1: 1, 2: 2, 3: 2, 4: 3, 5: 3}
+    h = hierarchical_plan(src, dst, domains, max_bucket_bytes=64)
+    full = _full([a, b])
+    sb = src.materialize(rank, full) if rank in src.ranks else {}
+    db = dst.empty_buffers(rank)
+    stats = HierarchicalExecutor(h).run(sb, db)
+    for buf, want in (dst.materialize(rank, full) if rank in dst.ranks else {}).items():
+        assert torch.equal(db[buf].view(torch.uint8), want.view(torch.uint8)), ("hierarchical", rank, buf)
+    received = [None] * world  # bytes each rank really took over the "network" (from another domain)
+    dist.all_gather_object(received, sum(
+        sum(c.nbytes for c in m.copies) for m in h.network.for_rank(rank).recvs if domains[m.peer] != domains[rank]))
+    per_domain = {d: sum(received[r] for r in range(world) if domains[r] == d) for d in (2, 3)}
+    assert per_domain == {d: n for d, n in domain_need_bytes(dst, domains).items()}
+    direct = rs.plan(src, dst).recv_bytes  # without domains every replica takes its own copy
+    for d in (2, 3):
+        assert per_domain[d] * 2 == sum(direct[r] for r in range(world) if domains[r] == d)
+    assert stats[0].recv_bytes + stats[1].recv_bytes == (h.network.recv_bytes.get(rank, 0)
+                                                         + h.forward.recv_bytes.get(rank, 0))
 
 
 def test_both_executors_bit_exact():

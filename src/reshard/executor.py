@@ -120,6 +120,23 @@ class ReshardExecutor:
                         part.num_rounds, len(part.sends))
 
 
+class HierarchicalExecutor:
+    """Runs a :class:`~reshard.hierarchy.HierarchicalPlan`: its network phase, then its NVLink
+    forward phase, which reads the destination buffers the first phase filled.
+
+    Every rank of ``group`` constructs one and calls :meth:`run`, like :class:`ReshardExecutor`.
+    """
+
+    def __init__(self, plan, group=None, *, timeout: timedelta = timedelta(minutes=5)) -> None:
+        self.plan = plan
+        self.phases = [ReshardExecutor(p, group, timeout=timeout) for p in plan.phases]
+
+    def run(self, src_buffers: Buffers, dst_buffers: Buffers) -> list[RunStats]:
+        """Move the bytes (per-phase stats); ``dst_buffers`` are written in place."""
+        network, forward = self.phases
+        return [network.run(src_buffers, dst_buffers), forward.run(dst_buffers, dst_buffers)]
+
+
 def device_of(*groups: Buffers) -> torch.device:
     """The device of the first buffer given (CPU if none): where staging buffers go."""
     for g in groups:

@@ -9,7 +9,9 @@ geometries, not with the number of pieces.
 
 Among source replicas, each remote copy goes to the candidate rank with the least
 bytes to send so far (largest copies first); copies of many tensors sharing one
-geometry are dealt round-robin over the replicas.
+geometry are dealt round-robin over the replicas. Given ``domains`` (rank -> NVLink
+domain), a replica in the destination's own domain is preferred and the balanced load
+is each rank's traffic out of its domain (see :mod:`reshard.hierarchy`).
 
 Per-rank view (``plan.for_rank(r)``)::
 
@@ -26,6 +28,7 @@ import itertools
 from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Mapping
 
 import numpy as np
 import torch
@@ -135,6 +138,21 @@ def _check_pair(source: Layout, destination: Layout) -> None:
                               f"are of different classes")
 
 
+def _domain_array(domains: Mapping[int, int] | None, source: Layout, destination: Layout) -> np.ndarray | None:
+    """``{rank: domain}`` as an array indexed by rank; every rank of both layouts needs one."""
+    if domains is None:
+        return None
+    ranks = sorted(set(source.ranks) | set(destination.ranks))
+    missing = [r for r in ranks if r not in domains]
+    if missing:
+        raise ValueError(f"domains: rank {missing[0]} of the layouts has no domain "
+                         f"({len(missing)} ranks without one)")
+    out = np.full(max(max(ranks, default=0), max(domains, default=0)) + 1, -1, np.int64)
+    for r, d in domains.items():
+        out[int(r)] = int(d)
+    return out
+
+
 def _row_tuples(a: np.ndarray) -> list[tuple[int, ...]]:
     """Rows of a 2-D int array as tuples (column-wise ``tolist`` + ``zip``: the fast way)."""
     if a.shape[1] == 0:
@@ -160,13 +178,15 @@ def _geometry_id(table, interned: dict) -> int:
 class Plan:
     """All copies of a refit from ``source`` to ``destination`` (see module doc)."""
 
-    def __init__(self, source: Layout, destination: Layout, *, max_bucket_bytes: int | None = None) -> None:
+    def __init__(self, source: Layout, destination: Layout, *, max_bucket_bytes: int | None = None,
+                 domains: Mapping[int, int] | None = None) -> None:
         if max_bucket_bytes is not None and max_bucket_bytes < ALIGN:
             raise ValueError(f"max_bucket_bytes={max_bucket_bytes} is smaller than {ALIGN} bytes")
         _check_pair(source, destination)
         self.source = source
         self.destination = destination
         self.max_bucket_bytes = max_bucket_bytes
+        self.domains = _domain_array(domains, source, destination)
         self._fingerprint: str | None = None
         self._stacked_cache: dict[int, tuple] = {}
         self.tensors = [n for n, t in destination.tables.items() if len(t)]
@@ -224,16 +244,26 @@ class Plan:
     # ------------------------------------------------------------------ source choice
     def _choose_sources(self) -> None:
         """Replicas: largest copies first, each to its least-loaded candidate (ties: lowest rank);
-        the instances of a geometry are dealt round-robin over the candidates in that order."""
+        the instances of a geometry are dealt round-robin over the candidates in that order.
+
+        With ``domains``, candidates in the destination's own domain come first (those bytes
+        never leave it), and the load balanced among the others is what each rank sends out
+        of its domain (its NIC egress).
+        """
+        dom = self.domains
         fixed_load = np.zeros(max(self.source.ranks, default=0) + 1, np.int64)
         work = []
         for gi, g in enumerate(self._groups):
             fixed = np.flatnonzero((g.items.kind == REMOTE) & (g.choice_of < 0))
+            if dom is not None:
+                fixed = fixed[dom[g.rank[fixed]] != dom[g.dst_rank[fixed]]]
             fixed_load += np.bincount(g.rank[fixed], weights=g.total_bytes[fixed],
                                       minlength=len(fixed_load)).astype(np.int64)
             work.extend(zip((-g.total_bytes[g.choice_cols]).tolist(), itertools.repeat(gi), range(len(g.choice_cols))))
         work.sort()
         load = fixed_load.tolist()  # plain ints: this loop does a few list operations per copy
+        near_load = [0] * len(load)  # bytes sent within the destination's domain
+        dom_list = dom.tolist() if dom is not None else None
         cand_ranks: dict[int, list[list[int]]] = {}
         orders: dict[int, list[list[int]]] = {}
         for _, gi, j in work:
@@ -243,13 +273,19 @@ class Plan:
                 ranks = cand_ranks[gi] = self._candidate_ranks(g)
                 orders[gi] = [[]] * len(g.choice_cols)
             cr = ranks[j]
-            m = len(cr)
-            if m == 2:  # the common case (two replicas), without a sort
-                order = [0, 1] if (load[cr[0]], cr[0]) <= (load[cr[1]], cr[1]) else [1, 0]
+            pool, use = range(len(cr)), load
+            if dom_list is not None:
+                home = dom_list[int(g.dst_rank[g.choice_cols[j]])]
+                near = [x for x in pool if dom_list[cr[x]] == home]
+                if near:
+                    pool, use = near, near_load
+            if len(pool) == 2:  # the common case (two replicas), without a sort
+                a, b = pool
+                order = [a, b] if (use[cr[a]], cr[a]) <= (use[cr[b]], cr[b]) else [b, a]
             else:
-                order = sorted(range(m), key=lambda x: (load[cr[x]], cr[x]))
-            for x, b in zip(order, self._dealt_bytes(g, j, m)):
-                load[cr[x]] += b
+                order = sorted(pool, key=lambda x: (use[cr[x]], cr[x]))
+            for x, nbytes in zip(order, self._dealt_bytes(g, j, len(order))):
+                use[cr[x]] += nbytes
             orders[gi][j] = order
         for gi, g in enumerate(self._groups):
             if len(g.choice_cols):
@@ -278,8 +314,8 @@ class Plan:
         it = g.items
         n = len(g.tensors)
         starts = it.cand_start[g.choice_cols]
-        counts = it.cand_count[g.choice_cols]
-        for m in np.unique(counts).tolist():  # columns with m candidates, all at once
+        counts = np.array([len(o) for o in orders], np.int64)  # candidates dealt to (all, or the near ones)
+        for m in np.unique(counts).tolist():  # columns dealt over m candidates, all at once
             cols = np.flatnonzero(counts == m)
             order = np.array([orders[c] for c in cols.tolist()], np.int64).reshape(len(cols), m)
             slot = order[:, np.arange(n) % m]  # [cols, instances]
@@ -409,6 +445,8 @@ class Plan:
 
     def _hash(self) -> str:
         h = hashlib.sha256(f"reshard-plan-{PLAN_FORMAT}-{self.max_bucket_bytes}".encode())
+        if self.domains is not None:
+            h.update(b"domains" + self.domains.tobytes())
         for g in self._groups:
             it = g.items
             for a in (it.kind, it.dst_piece, it.offsets, it.sizes, g.piece, g.rank, g.dst_rank, g.nbytes,
@@ -533,7 +571,8 @@ class Plan:
         return hit
 
 
-def plan(source: Layout, destination: Layout, *, max_bucket_bytes: int | None = None) -> Plan:
+def plan(source: Layout, destination: Layout, *, max_bucket_bytes: int | None = None,
+         domains: Mapping[int, int] | None = None) -> Plan:
     """Plan the refit of every tensor ``destination`` holds from ``source``.
 
     >>> import torch, reshard as rs
@@ -543,4 +582,4 @@ def plan(source: Layout, destination: Layout, *, max_bucket_bytes: int | None = 
     >>> rs.plan(src, dst).wire_bytes  # every element once: 4 * 6 * 4 bytes
     96
     """
-    return Plan(source, destination, max_bucket_bytes=max_bucket_bytes)
+    return Plan(source, destination, max_bucket_bytes=max_bucket_bytes, domains=domains)

@@ -1,0 +1,256 @@
+"""Two-phase refit across NVLink domains: cross the network once per domain, fan out over NVLink.
+
+When several destination ranks of one NVLink domain hold the same box (data-parallel
+engines, replicated KV heads, norms, routers), the box crosses the network once into the
+domain, to one *receiver* chosen to balance NIC ingress over the domain's ranks, and is
+forwarded from there over NVLink::
+
+    phase 1 (network)   sources   -> receivers        Plan(source, receivers, domains)
+    phase 2 (NVLink)    receivers -> the other ranks   Plan(receivers, rest, domains)
+
+Both phases are ordinary :class:`~reshard.plan.Plan` objects; phase 2 reads the destination
+buffers that phase 1 filled. Example: two sources each hold all of ``w``, four destinations
+each need all of it, domains ``{2, 3}`` and ``{4, 5}``::
+
+    phase 1   0 -> 2  w      1 -> 4  w     each domain takes w once over the network
+    phase 2   2 -> 3  w      4 -> 5  w     NVLink
+
+Sources are chosen with ``domains`` (see :class:`~reshard.plan.Plan`): a replica inside the
+destination's domain is used when there is one, else the replica with the least traffic out
+of its domain so far. Boxes of at least ``split_bytes`` that several source replicas hold are
+cut along their first dim into one part per replica, so that one big box does not load one
+source alone.
+
+Boxes are deduplicated when identical (same tensor, offsets and sizes) within a domain: the
+replicas frameworks make. Partially overlapping boxes are planned as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Mapping
+
+import numpy as np
+
+from .layout import Layout, PieceTable, itemsize
+from .plan import Plan
+
+AUTO = "auto"
+
+
+@dataclass
+class HierarchicalPlan:
+    """The two phases of a domain-aware refit, and the figures a cost model needs."""
+
+    network: Plan  # phase 1: sources -> one receiver per (domain, box)
+    forward: Plan  # phase 2: receivers -> the other ranks of their domain
+    domains: dict[int, int]
+
+    @property
+    def phases(self) -> list[Plan]:
+        return [self.network, self.forward]
+
+    @property
+    def phase_pair_bytes(self) -> list[dict[tuple[int, int], int]]:
+        """``[{(src, dst): bytes}]`` per phase, the input of :func:`reshard.cost.traffic_from_pairs`."""
+        return [p.pair_bytes for p in self.phases]
+
+    @cached_property
+    def cross_domain_bytes(self) -> dict[int, int]:
+        """Bytes entering each destination domain from other domains (over NICs)."""
+        out: dict[int, int] = {}
+        for p in self.phases:
+            for (s, d), b in p.pair_bytes.items():
+                if self.domains[s] != self.domains[d]:
+                    out[self.domains[d]] = out.get(self.domains[d], 0) + b
+        return out
+
+    @property
+    def wire_bytes(self) -> int:
+        return sum(p.wire_bytes for p in self.phases)
+
+    def fingerprint(self) -> str:
+        return self.network.fingerprint() + self.forward.fingerprint()
+
+    def summary(self) -> dict:
+        return {"network": self.network.summary(), "forward": self.forward.summary(),
+                "cross_domain_bytes": sum(self.cross_domain_bytes.values())}
+
+
+def domain_need_bytes(destination: Layout, domains: Mapping[int, int]) -> dict[int, int]:
+    """Bytes of the distinct boxes each domain's ranks hold (identical boxes counted once).
+
+    >>> import torch, reshard as rs
+    >>> spec = rs.TensorSpec("w", (4, 4), torch.float32)
+    >>> dst = rs.Layout.from_placements(spec, ranks=[2, 3, 4, 5], mesh_shape=(4,), placements=[rs.Replicate()])
+    >>> domain_need_bytes(dst, {2: 0, 3: 0, 4: 1, 5: 1})
+    {0: 64, 1: 64}
+    """
+    dom = _domain_lookup(domains, destination.ranks)
+    out: dict[int, int] = {}
+    for name, t in destination.tables.items():
+        if not len(t):
+            continue
+        rows = np.concatenate([dom[t.ranks][:, None], t.offsets, t.sizes], axis=1)
+        uniq, first = np.unique(rows, axis=0, return_index=True)
+        nbytes = t.sizes[first].prod(axis=1) * destination.itemsizes(name)[first]  # in destination dtypes
+        for d, b in zip(uniq[:, 0].tolist(), nbytes.tolist()):
+            out[d] = out.get(d, 0) + b
+    return out
+
+
+def hierarchical_plan(source: Layout, destination: Layout, domains: Mapping[int, int], *,
+                      max_bucket_bytes: int | None = None, split_bytes: int | str | None = AUTO
+                      ) -> HierarchicalPlan:
+    """Plan a refit in two phases over NVLink ``domains`` (``{rank: domain}``, every rank of both sides).
+
+    ``split_bytes``: boxes at least this big with several source replicas are split across them
+    (``"auto"``: 1/8 of the mean bytes per source rank; ``None``: never).
+    """
+    domains = {int(r): int(d) for r, d in domains.items()}
+    receivers, rest = split_receivers(destination, domains)
+    if split_bytes == AUTO:
+        total = sum(int((t.sizes.prod(axis=1)).sum()) * itemsize(receivers.specs[n].dtype)
+                    for n, t in receivers.tables.items() if len(t))
+        split_bytes = max(total // (8 * max(len(source.ranks), 1)), 1)
+    if split_bytes is not None:
+        receivers = split_across_replicas(receivers, source, int(split_bytes))
+    network = Plan(source, receivers, max_bucket_bytes=max_bucket_bytes, domains=domains)
+    forward = Plan(receivers, rest, max_bucket_bytes=max_bucket_bytes, domains=domains)
+    return HierarchicalPlan(network, forward, domains)
+
+
+def _domain_lookup(domains: Mapping[int, int], ranks: list[int]) -> np.ndarray:
+    missing = [r for r in ranks if r not in domains]
+    if missing:
+        raise ValueError(f"domains: rank {missing[0]} has no domain ({len(missing)} ranks without one)")
+    out = np.full(max(max(domains, default=0), max(ranks, default=0)) + 1, -1, np.int64)
+    for r, d in domains.items():
+        out[r] = d
+    return out
+
+
+def _rows_of(t: PieceTable, rows: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Read-only ranks, offsets, sizes of ``rows``: shared by the tables of every tensor with
+    this geometry and receiver choice (the planner then sees one geometry by identity)."""
+    arrays = (t.ranks[rows], t.offsets[rows], t.sizes[rows])
+    for a in arrays:
+        a.flags.writeable = False
+    return arrays
+
+
+def _subset(t: PieceTable, rows: np.ndarray, shared: tuple[np.ndarray, ...]) -> PieceTable:
+    """``t`` restricted to ``rows`` (whose ranks/offsets/sizes are ``shared``)."""
+    bufs = t.buffers
+    if bufs and bufs.count(bufs[0]) == len(bufs):
+        names = (bufs[0],) * len(rows)
+    else:
+        names = tuple(bufs[r] for r in rows.tolist())
+    return PieceTable(*shared, names, t.buffer_offsets[rows])
+
+
+def split_receivers(destination: Layout, domains: Mapping[int, int]) -> tuple[Layout, Layout]:
+    """(receivers, rest): ``destination``'s pieces split so that within each domain every distinct
+    box is in ``receivers`` once; ``rest`` holds the other copies, to be forwarded over NVLink.
+
+    Receivers are chosen like sources: biggest boxes first, each to the rank of the domain with
+    the least bytes coming in so far; tensors sharing a geometry are dealt round-robin.
+    """
+    ranks = destination.ranks
+    dom = _domain_lookup(domains, ranks)
+    by_geometry: dict[bytes, list[str]] = {}
+    for name, t in destination.tables.items():
+        if len(t):
+            by_geometry.setdefault(t.geometry_key(), []).append(name)
+    load = [0] * len(dom)
+    work = []  # (-bytes, geometry index, cluster members)
+    geoms = []
+    for gi, names in enumerate(by_geometry.values()):
+        t = destination.tables[names[0]]
+        rows = np.concatenate([dom[t.ranks][:, None], t.offsets, t.sizes], axis=1)
+        _, inv = np.unique(rows, axis=0, return_inverse=True)
+        inv = inv.reshape(-1)
+        count = np.bincount(inv)
+        vol = t.sizes.prod(axis=1) * itemsize(destination.specs[names[0]].dtype) * len(names)
+        single = count[inv] == 1
+        for r, b in zip(t.ranks[single].tolist(), vol[single].tolist()):
+            load[r] += b
+        order = np.argsort(inv, kind="stable")
+        bounds = np.concatenate([[0], np.cumsum(count)])
+        clusters = [order[bounds[c]: bounds[c + 1]] for c in np.flatnonzero(count > 1).tolist()]
+        geoms.append((names, t, single, clusters))
+        work.extend((-int(vol[c[0]]), gi, ci) for ci, c in enumerate(clusters))
+    work.sort()
+    dealt: dict[tuple[int, int], list[int]] = {}
+    for negb, gi, ci in work:
+        names, t, _, clusters = geoms[gi]
+        members = clusters[ci].tolist()
+        holders = t.ranks[clusters[ci]].tolist()
+        order = sorted(range(len(members)), key=lambda x: (load[holders[x]], holders[x]))
+        n, m = len(names), len(order)
+        per = -negb // n
+        for p, x in enumerate(order):
+            load[holders[x]] += per * (n // m + (p < n % m))
+        dealt[(gi, ci)] = [members[x] for x in order]
+    rec_tables: dict[str, PieceTable] = {}
+    rest_tables: dict[str, PieceTable] = {}
+    for gi, (names, t, single, clusters) in enumerate(geoms):
+        cache: dict[tuple[int, ...], tuple] = {}
+        for i, name in enumerate(names):
+            chosen = tuple(dealt[(gi, ci)][i % len(dealt[(gi, ci)])] for ci in range(len(clusters)))
+            hit = cache.get(chosen)
+            if hit is None:
+                keep = single.copy()
+                keep[list(chosen)] = True
+                kr, rr = np.flatnonzero(keep), np.flatnonzero(~keep)
+                hit = cache[chosen] = (kr, _rows_of(t, kr), rr, _rows_of(t, rr))
+            own = destination.tables[name]
+            rec_tables[name] = _subset(own, hit[0], hit[1])
+            rest_tables[name] = _subset(own, hit[2], hit[3])
+    buffers = {r: destination.buffers(r) for r in ranks}
+    return (Layout(destination.specs, rec_tables, buffers, validate=False),
+            Layout(destination.specs, rest_tables, buffers, validate=False))
+
+
+def split_across_replicas(receivers: Layout, source: Layout, split_bytes: int) -> Layout:
+    """``receivers`` with each piece of at least ``split_bytes`` cut along its first dim of size
+    >= 2 into one part per source replica of its tensor (so the planner can take each part
+    from another replica)."""
+    tables = dict(receivers.tables)
+    ranks = receivers.ranks
+    for name, t in receivers.tables.items():
+        if not len(t):
+            continue
+        st = source.tables[name]
+        replicas = len(st) // max(len(np.unique(np.concatenate([st.offsets, st.sizes], axis=1), axis=0)), 1)
+        if replicas < 2:
+            continue
+        nbytes = t.sizes.prod(axis=1) * itemsize(receivers.specs[name].dtype)
+        big = np.flatnonzero(nbytes >= split_bytes)
+        if not len(big):
+            continue
+        rows = []
+        for i in range(len(t)):
+            if nbytes[i] < split_bytes:
+                rows.append((i, None, 0, 0))
+                continue
+            dims = np.flatnonzero(t.sizes[i] >= 2)
+            if not len(dims):
+                rows.append((i, None, 0, 0))
+                continue
+            d = int(dims[0])
+            n = int(t.sizes[i, d])
+            k = min(replicas, n)
+            edges = [n * j // k for j in range(k + 1)]
+            rows.extend((i, d, a, b - a) for a, b in zip(edges[:-1], edges[1:]))
+        idx = np.array([r[0] for r in rows], np.int64)
+        offsets, sizes, boffs = t.offsets[idx].copy(), t.sizes[idx].copy(), t.buffer_offsets[idx].copy()
+        lead = t.buffer_offsets.shape[1] - t.offsets.shape[1]
+        for j, (_, d, a, size) in enumerate(rows):
+            if d is not None:
+                offsets[j, d] += a
+                sizes[j, d] = size
+                boffs[j, lead + d] += a
+        tables[name] = PieceTable(t.ranks[idx], offsets, sizes, tuple(t.buffers[i] for i in idx.tolist()), boffs)
+    return Layout(receivers.specs, tables, {r: receivers.buffers(r) for r in ranks}, validate=False)

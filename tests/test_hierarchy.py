@@ -1,0 +1,142 @@
+"""The two-phase (network, then NVLink) refit: exact results, and network bytes per domain.
+
+Oracles are independent of the planner: expected buffers by copying boxes out of the full
+tensors, and the bytes a domain must take over the network from numpy masks of the boxes its
+ranks need minus those its own source ranks hold.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import reshard as rs
+from reshard.hierarchy import domain_need_bytes, hierarchical_plan
+
+try:
+    import strategies as S
+    from test_plan_properties import assert_exact, run
+except ImportError:  # tests/ imported as a package
+    from . import strategies as S
+    from .test_plan_properties import assert_exact, run
+
+PROPS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _domains(draw, ranks, max_domains=3):
+    n = draw(st.integers(1, max_domains))
+    return {r: draw(st.integers(0, n - 1)) for r in ranks}
+
+
+@st.composite
+def domain_cases(draw):
+    case = draw(S.layout_pairs())
+    domains = _domains(draw, sorted(set(case.source.ranks) | set(case.destination.ranks)))
+    return case, domains, draw(st.sampled_from([None, 1, 64, "auto"]))
+
+
+@st.composite
+def single_view_cases(draw):
+    """One tensor, one placement view per side: destination boxes are identical or disjoint."""
+    cls = draw(st.sampled_from(("float", "int")))
+    spec = rs.TensorSpec("w", draw(S.shapes(max_ndim=3)), torch.float32 if cls == "float" else torch.int32)
+    sv = draw(S.views([spec.shape], 0, "w.src", cls))
+    dv = draw(S.views([spec.shape], draw(st.sampled_from([0, S.RANK_POOL])), "w.dst", cls))
+    src, dst = S.view_layout(spec, sv), S.view_layout(spec, dv)
+    case = S.Case(None, src, dst, S.full_tensors([spec]))
+    return case, _domains(draw, sorted(set(src.ranks) | set(dst.ranks)))
+
+
+def _union_mask(shape, pieces):
+    return S.box_mask(shape, pieces)
+
+
+@PROPS
+@given(domain_cases())
+def test_two_phases_deliver_every_element(dc):
+    case, domains, split = dc
+    h = hierarchical_plan(case.source, case.destination, domains, split_bytes=split)
+    assert_exact(case, run(case, h))
+    for (s, d) in h.forward.pair_bytes:  # the forward phase never leaves a domain
+        assert domains[s] == domains[d]
+
+
+@PROPS
+@given(single_view_cases())
+def test_network_bytes_per_domain_are_the_bytes_it_lacks(dc):
+    case, domains = dc
+    h = hierarchical_plan(case.source, case.destination, domains)
+    assert_exact(case, run(case, h))
+    spec = case.source.specs["w"]
+    for d in set(domains[r] for r in case.destination.ranks):
+        need = _union_mask(spec.shape, [p for r in case.destination.ranks if domains[r] == d
+                                        for p in case.destination.pieces(r)])
+        have = _union_mask(spec.shape, [p for r in case.source.ranks if domains[r] == d
+                                        for p in case.source.pieces(r)])
+        itemsize = case.destination.uniform_itemsize("w")  # bytes travel in the destination dtype
+        lacking = int((need & ~have).sum()) * itemsize
+        assert h.cross_domain_bytes.get(d, 0) == lacking, (d, h.phase_pair_bytes)
+
+
+def _replicated_refit(n_tensors=8, rows=16):
+    specs = [rs.TensorSpec(f"t{i}", (rows, 4), torch.float32) for i in range(n_tensors)]
+    src = rs.Layout.merge([rs.Layout.from_placements(s, [0, 1], (2,), [rs.Replicate()]) for s in specs])
+    dst = rs.Layout.merge([rs.Layout.from_placements(s, [2, 3, 4, 5], (4,), [rs.Replicate()]) for s in specs])
+    return specs, src, dst
+
+
+def test_dp_replicas_in_one_domain_take_each_box_once_and_share_the_ingress():
+    specs, src, dst = _replicated_refit()
+    domains = {0: 0, 1: 1, 2: 2, 3: 2, 4: 2, 5: 2}
+    h = hierarchical_plan(src, dst, domains, split_bytes=None)
+    total = sum(s.nbytes for s in specs)
+    assert h.cross_domain_bytes == {2: total}  # 4 replicas, the bytes cross once
+    assert domain_need_bytes(dst, domains) == {2: total}
+    ingress = {r: 0 for r in (2, 3, 4, 5)}
+    for (s, d), b in h.network.pair_bytes.items():
+        ingress[d] += b
+    assert set(ingress.values()) == {total // 4}  # every receiver takes a quarter
+    egress = {0: 0, 1: 0}
+    for (s, d), b in h.network.pair_bytes.items():
+        egress[s] += b
+    assert egress == {0: total // 2, 1: total // 2}
+    direct = rs.plan(src, dst)
+    assert direct.wire_bytes == 4 * total  # without domains, once per replica
+
+
+def test_a_source_inside_the_domain_is_used_instead_of_the_network():
+    specs, src, dst = _replicated_refit(n_tensors=2)
+    domains = {0: 0, 1: 1, 2: 1, 3: 1, 4: 1, 5: 1}  # source 1 shares the destinations' domain
+    h = hierarchical_plan(src, dst, domains, split_bytes=None)
+    assert h.cross_domain_bytes == {}
+    assert all(s == 1 for s, _ in h.network.pair_bytes)
+
+
+def test_a_big_box_is_split_across_source_replicas():
+    spec = rs.TensorSpec("emb", (64, 8), torch.float32)
+    src = rs.Layout.from_placements(spec, [0, 1, 2, 3], (4,), [rs.Replicate()])
+    dst = rs.Layout.from_placements(spec, [4], (1,), [rs.Replicate()])
+    domains = {0: 0, 1: 0, 2: 1, 3: 1, 4: 2}
+    whole = hierarchical_plan(src, dst, domains, split_bytes=None)
+    split = hierarchical_plan(src, dst, domains, split_bytes=1024)
+    assert max(whole.network.send_bytes.values()) == spec.nbytes
+    assert sorted(split.network.send_bytes.values()) == [spec.nbytes // 4] * 4
+    case = S.Case(None, src, dst, S.full_tensors([spec]))
+    assert_exact(case, run(case, split))
+
+
+def test_domains_must_name_every_rank():
+    specs, src, dst = _replicated_refit(n_tensors=1)
+    try:
+        hierarchical_plan(src, dst, {0: 0, 1: 0, 2: 1})
+    except ValueError as e:
+        assert "rank 3" in str(e)
+    else:
+        raise AssertionError("missing domains were accepted")
+
+
+def test_masks_helper_agrees_with_numpy():
+    m = _union_mask((4, 4), [rs.Piece("w", (0, 0), (2, 2), "b", (0, 0), 0)])
+    assert int(np.sum(m)) == 4
