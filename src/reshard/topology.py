@@ -64,6 +64,8 @@ class Topology:
                           copy and message work adds up per node (the CPU preset); None on GPUs
       host_bytes_per_s    if set, total network bytes a node can move per second in each direction,
                           all its ranks together (a host's loopback); None: the sum of its NICs
+      host_wakeup_s       with host_cores: CPU time per rank per round to schedule it (wake it, post
+                          and complete its messages), shared by the cores like the copy work
     """
 
     name: str
@@ -79,6 +81,7 @@ class Topology:
     copy_overhead_s: float = 0.0
     host_cores: int | None = None
     host_bytes_per_s: float | None = None
+    host_wakeup_s: float = 0.0
 
     def __post_init__(self) -> None:
         for f in ("gpus_per_domain", "gpus_per_node"):
@@ -90,7 +93,7 @@ class Topology:
             if not isinstance(v, (int, float)) or not v > 0:
                 raise ValueError(f"topology {self.name!r}: {f} must be a number > 0, got {v!r}")
         for f in ("net_latency_s", "nvlink_latency_s", "launch_latency_s", "message_overhead_s",
-                  "copy_overhead_s"):
+                  "copy_overhead_s", "host_wakeup_s"):
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or not v >= 0 or math.isinf(v):
                 raise ValueError(f"topology {self.name!r}: {f} must be a finite number >= 0, got {v!r}")
@@ -266,6 +269,7 @@ CPU_MEASURED = dict(
     message_overhead_s=50e-6,
     copy_overhead_s=10e-6,
     host_cores=2,
+    host_wakeup_s=0.0,
 )
 
 
