@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 CORE   := $(VENV)/.installed-core
 TEST   := $(VENV)/.installed-test
 
-.PHONY: demo test bench bench-scale clean
+.PHONY: demo test bench bench-scale bench-cost clean
 
 $(CORE): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -35,6 +35,10 @@ bench: $(CORE)
 
 bench-scale: $(CORE)
 	$(PY) benchmarks/bench_scale.py
+
+# calibrate the cost model's cpu topology here, then compare it with real gloo refits
+bench-cost: $(CORE)
+	$(PY) benchmarks/bench_cost.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .hypothesis

@@ -236,6 +236,14 @@ def _plan_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--max-bucket-mb", type=float, default=0,
                    help="staging cap per rank in MiB for the plan's rounds (default: none)")
     p.add_argument("--no-baseline", action="store_true", help="skip the gather-and-broadcast byte count")
+    p.add_argument("--plot", metavar="DIR", default=None,
+                   help="also write two PNGs to DIR: bytes per (source, destination) rank pair as a heat map, and "
+                        "each GPU's load on NIC out/in and NVLink out/in (seconds at link bandwidth) with the "
+                        "bottleneck marked; prints their paths and the modeled refit time on --topology")
+    p.add_argument("--topology", metavar="NAME_OR_FILE", default="dgx-h100",
+                   help="machine for --plot: a preset (dgx-h100, gb200-nvl72, cpu) or a .json/.yaml file of "
+                        "Topology fields (see docs/cost_model.md); training ranks go on GPUs 0..M-1, inference "
+                        "ranks right after (default %(default)s)")
     p.set_defaults(func=_plan)
     return p
 
@@ -257,6 +265,30 @@ def _plan(args) -> int:
     render(summary, console, f"{args.model}: train {args.train} -> infer {args.infer}")
     console.print(f"layouts built in {refit.build_s:.2f} s, planned in {plan_s:.2f} s; "
                   f"fingerprint {p.fingerprint()}")
+    if args.plot is not None:
+        from .cost import model_time, traffic_from_pairs
+        from .plots import plot_link_load, plot_pair_bytes
+        from .topology import Placement, Topology
+
+        try:
+            topo = Topology.resolve(args.topology)
+        except ValueError as e:
+            console.print(f"reshard plan: --topology: {e}", style="red", highlight=False)
+            return 2
+        place = Placement.contiguous(topo, refit.train_world, refit.infer_world)
+        traffic = traffic_from_pairs([p.pair_bytes], place, topo, max_bucket_bytes=p.max_bucket_bytes)
+        est = model_time(traffic, topo)
+        stem = f"{args.model}-{args.train}-{args.infer}".replace(",", "_").replace(":", "_")
+        paths = [plot_pair_bytes(p.pair_bytes, f"{args.plot}/{stem}-pairs.png", sources=p.source.ranks,
+                                 destinations=p.destination.ranks, block=topo.gpus_per_node,
+                                 title=f"{args.model}: bytes per (source, destination) pair"),
+                 plot_link_load(traffic, f"{args.plot}/{stem}-links.png", topo, estimate=est,
+                                title=f"{args.model}: link load per GPU")]
+        b = est.bottleneck
+        console.print(f"modeled on {topo.name} ({place.describe()}): {est.seconds:.3f} s"
+                      + (f"; bottleneck {b.describe()}" if b else ""), highlight=False)
+        for path in paths:
+            console.print(f"wrote {path}", highlight=False)
     return 0
 
 

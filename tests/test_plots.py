@@ -1,0 +1,78 @@
+"""The refit pictures: valid PNGs of sensible size, readable at many ranks, and `reshard plan --plot`."""
+
+import struct
+
+import pytest
+
+import reshard as rs
+from reshard.cli import main
+from reshard.cost import model_time, traffic_from_pairs
+from reshard.demo_model import QWEN3_0_6B, demo_layouts
+from reshard.plots import plot_link_load, plot_pair_bytes, write_plan_plots
+from reshard.topology import Placement, Topology
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def png_size(path) -> tuple[int, int]:
+    """(width, height) from the IHDR chunk; fails unless the file is a PNG."""
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC, f"{path} is not a PNG"
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def check_png(path, min_bytes=5_000, max_bytes=3_000_000):
+    assert path.exists(), path
+    size = path.stat().st_size
+    assert min_bytes < size < max_bytes, (path, size)
+    w, h = png_size(path)
+    assert 300 <= w <= 2500 and 250 <= h <= 2000, (w, h)
+
+
+def test_plots_of_a_small_model(tmp_path):
+    lay = demo_layouts(QWEN3_0_6B.with_overrides(layers=2, vocab=4096), 4, 2, 2)
+    plan = rs.plan(lay.source, lay.destination, max_bucket_bytes=8 << 20)
+    place = Placement.contiguous(Topology.preset("dgx-h100"), 4, 4, infer_start="domain")
+    paths = write_plan_plots(plan, place, tmp_path / "out", prefix="small")
+    assert [p.name for p in paths] == ["small-pairs.png", "small-links.png"]
+    for p in paths:
+        check_png(p)
+
+
+def test_many_ranks_are_grouped_and_the_bottleneck_is_marked(tmp_path):
+    topo = Topology.preset("gb200-nvl72")
+    place = Placement.contiguous(topo, 128, 128)
+    pairs = {(s, 128 + (s * 7 + k) % 128): 10 ** 8 * (1 + (s + k) % 5) for s in range(128) for k in range(8)}
+    traffic = traffic_from_pairs([pairs], place, topo)
+    est = model_time(traffic, topo)
+    heat = plot_pair_bytes(pairs, tmp_path / "pairs.png", block=topo.gpus_per_node)
+    bars = plot_link_load(traffic, tmp_path / "links.png", topo, estimate=est)
+    check_png(heat)
+    check_png(bars)
+    # 256 GPUs do not make a 256 x 4-bar picture wider than the size cap
+    assert png_size(bars)[0] <= 18 * 110
+
+
+def test_empty_pairs_still_draw(tmp_path):
+    check_png(plot_pair_bytes({}, tmp_path / "none.png", sources=[0, 1], destinations=[2, 3]), min_bytes=2_000)
+
+
+def test_cli_plan_plot(tmp_path, capsys):
+    out = tmp_path / "png"
+    assert main(["plan", "--model", "qwen3-0.6b", "--train", "tp2", "--infer", "tp2,dp2", "--plot", str(out),
+                 "--topology", "gb200-nvl72"]) == 0
+    text = capsys.readouterr().out
+    files = sorted(out.glob("*.png"))
+    assert len(files) == 2 and all(str(f) in text.replace("\n", "") for f in files)
+    assert "modeled on gb200-nvl72" in text and "bottleneck" in text
+    for f in files:
+        check_png(f)
+
+
+@pytest.mark.parametrize("topology, message", [("h300", "unknown topology 'h300'"),
+                                               ("/nonexistent.yaml", "does not exist")])
+def test_cli_bad_topology(tmp_path, capsys, topology, message):
+    assert main(["plan", "--model", "qwen3-0.6b", "--train", "tp2", "--infer", "tp2", "--plot", str(tmp_path),
+                 "--topology", topology]) == 2
+    assert message in capsys.readouterr().out
