@@ -47,6 +47,8 @@ from reshard.local import pack, unpack
 from reshard.schedule import Copy, Message
 from reshard.topology import CPU_MEASURED, Placement, cpu_topology
 
+from bench_refit import parse_configs  # noqa: E402  (benchmarks/ is on the path when run as a script)
+
 MiB = 1 << 20
 DEFAULT_CONFIGS = "4-4:4x1,8-4:2x2"
 
@@ -268,18 +270,6 @@ def run_refit(model, m: int, tp: int, dp: int, bucket: int | None, repeat: int) 
             return json.load(f)
     finally:
         os.unlink(path)
-
-
-def parse_configs(text: str) -> list[tuple[int, int, int]]:
-    out = []
-    for item in text.split(","):
-        pair, grid = item.split(":")
-        m, n = (int(x) for x in pair.split("-"))
-        tp, dp = (int(x) for x in grid.split("x"))
-        if tp * dp != n:
-            raise SystemExit(f"config {item!r}: tp x dp = {tp * dp} != N = {n}")
-        out.append((m, tp, dp))
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:

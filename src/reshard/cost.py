@@ -425,19 +425,15 @@ def model_time(traffic: Traffic, topology: Topology | None = None, *, pipeline: 
 # ============================================================================================ gather-and-broadcast
 def _buckets(tensor_bytes: Sequence[int], bucket_bytes: int | None) -> list[list[int]]:
     """Consecutive tensors grouped up to ``bucket_bytes`` (a bigger tensor is a bucket of its own)."""
-    if bucket_bytes is None:
-        return [[i] for i in range(len(tensor_bytes))]
     out: list[list[int]] = []
-    cur: list[int] = []
-    size = 0
+    sizes: list[float] = []
     for i, b in enumerate(tensor_bytes):
-        if cur and size + b > bucket_bytes:
-            out.append(cur)
-            cur, size = [], 0
-        cur.append(i)
-        size += b
-    if cur:
-        out.append(cur)
+        if out and bucket_bytes is not None and sizes[-1] + b <= bucket_bytes:
+            out[-1].append(i)
+            sizes[-1] += b
+        else:
+            out.append([i])
+            sizes.append(b)
     return out
 
 
