@@ -257,19 +257,20 @@ def _read_value(key: str, raw):
     raise ValueError(f"expected a number, got {raw!r}")
 
 
-# The "cpu" preset: this machine (2 cores), every rank a process, gloo over TCP loopback. Each rank is
-# its own "domain" (no NVLink), all ranks share one host. Measured by `make bench-cost`
-# (python benchmarks/bench_cost.py), which prints fresh values for the machine it runs on.
+# The "cpu" preset: this machine (2 cores, shared with other jobs), every rank a process, gloo over TCP
+# loopback. Each rank is its own "domain" (no NVLink); all ranks share one host, its cores and its loopback.
+# Measured by `make bench-cost` (python benchmarks/bench_cost.py) on 2026-11-29; it prints fresh values for
+# the machine it runs on (they move by large factors when other jobs take the cores: rerun, do not trust).
 CPU_MEASURED = dict(
-    nic_bytes_per_s=1.0e9,
-    host_bytes_per_s=1.0e9,
-    net_latency_s=100e-6,
+    nic_bytes_per_s=2.138e9,  # one pair, 64 MiB messages
+    host_bytes_per_s=2.24e9,  # two pairs at once, both pairs' bytes
+    net_latency_s=1.978e-3,  # median one-way time of a 1-byte ping-pong among 4 processes
     launch_latency_s=0.0,
-    copy_bytes_per_s=3.0e9,
-    message_overhead_s=50e-6,
-    copy_overhead_s=10e-6,
+    copy_bytes_per_s=7.631e9,  # reshard.local.pack + unpack, 2 KiB-row boxes, one thread
+    message_overhead_s=1.447e-5,  # 64 messages in one batch against 1
+    copy_overhead_s=9.872e-6,  # per box packed or unpacked
     host_cores=2,
-    host_wakeup_s=0.0,
+    host_wakeup_s=2.227e-3,  # per rank per round: 4 processes, 16 B to every other, less the above
 )
 
 
