@@ -33,6 +33,7 @@ from typing import Mapping
 
 import numpy as np
 
+from .gc_pause import without_gc
 from .layout import Layout, PieceTable, itemsize
 from .plan import Plan
 
@@ -100,6 +101,7 @@ def domain_need_bytes(destination: Layout, domains: Mapping[int, int]) -> dict[i
     return out
 
 
+@without_gc
 def hierarchical_plan(source: Layout, destination: Layout, domains: Mapping[int, int], *,
                       max_bucket_bytes: int | None = None, split_bytes: int | str | None = AUTO
                       ) -> HierarchicalPlan:

@@ -46,7 +46,7 @@ def itemsize(dtype: torch.dtype) -> int:
     return dtype.itemsize
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorSpec:
     """A full weight as a checkpoint names it: ``TensorSpec("w", (10, 6), torch.float32)``."""
 
@@ -84,7 +84,7 @@ def box_str(offsets: Sequence[int], sizes: Sequence[int]) -> str:
     return "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(offsets, sizes)) + "]"
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, slots=True)
 class PieceTable:
     """All pieces of one tensor in one layout, as numpy arrays (row i = piece i)."""
 

@@ -33,6 +33,7 @@ from typing import Mapping
 import numpy as np
 import torch
 
+from .gc_pause import without_gc
 from .intersect import FANOUT, LOCAL, REMOTE, TensorItems, tensor_items
 from .layout import Layout, LayoutError, dtype_class
 from .schedule import ALIGN, Copy, Message, chunk_stream, pair_quota
@@ -178,6 +179,7 @@ def _geometry_id(table, interned: dict) -> int:
 class Plan:
     """All copies of a refit from ``source`` to ``destination`` (see module doc)."""
 
+    @without_gc
     def __init__(self, source: Layout, destination: Layout, *, max_bucket_bytes: int | None = None,
                  domains: Mapping[int, int] | None = None) -> None:
         if max_bucket_bytes is not None and max_bucket_bytes < ALIGN:
@@ -464,6 +466,7 @@ class Plan:
         return h.hexdigest()[:16]
 
     # ------------------------------------------------------------------ one rank
+    @without_gc
     def for_rank(self, rank: int) -> RankPlan:
         """``rank``'s sends, receives, local and fan-out copies; other ranks' copies are not built."""
         rank = int(rank)
@@ -525,14 +528,14 @@ class Plan:
         dst_off: list = [None] * len(items)
         for c, (src_bo, dst_bo) in enumerate(stacks):
             rows = np.flatnonzero(cls_of[inst] == c) if len(stacks) > 1 else np.arange(len(items))
-            for stack, boxes, sel, out in ((src_bo, st.offsets, ~fan[rows], src_off),
-                                           (dst_bo, dt.offsets, fan[rows], src_off),
-                                           (dst_bo, dt.offsets, None, dst_off)):
+            for stack, side, boxes, sel, out in ((src_bo, 0, st.offsets, ~fan[rows], src_off),
+                                                 (dst_bo, 1, dt.offsets, fan[rows], src_off),
+                                                 (dst_bo, 1, dt.offsets, None, dst_off)):
                 r = rows if sel is None else rows[sel]
                 if not len(r):
                     continue
                 p = dp[r] if sel is None else pieces[r]
-                bo = stack[slot[inst[r]], p]
+                bo = stack[slot[inst[r], side], p]
                 bo[:, bo.shape[1] - d:] += off[r] - boxes[p]
                 if len(r) == len(items):
                     out[:] = _row_tuples(bo)
@@ -548,8 +551,9 @@ class Plan:
 
     def _stacked(self, g: _Group):
         """Per group, cached: its tensors sorted into classes by their buffers' numbers of dims, each
-        class with its pieces' buffer offsets stacked ``[members, pieces, dims]`` (source, destination);
-        each tensor's class and slot in it; and every tensor's buffer names and dtypes."""
+        class with its pieces' buffer offsets stacked ``[arrays, pieces, dims]`` (source, destination;
+        tensors sharing an offsets array share a slot); each tensor's class and slots in it; and every
+        tensor's buffer names and piece dtypes."""
         hit = self._stacked_cache.get(id(g))
         if hit is None:
             src = [self.source.tables[n] for n in g.tensors]
@@ -558,17 +562,44 @@ class Plan:
             for i, (a, b) in enumerate(zip(src, dst)):
                 classes[(a.buffer_offsets.shape[1], b.buffer_offsets.shape[1])].append(i)
             cls_of = np.zeros(len(g.tensors), np.int64)
-            slot = np.zeros(len(g.tensors), np.int64)
+            slot = np.zeros((len(g.tensors), 2), np.int64)
             stacks = []
             for c, members in enumerate(classes.values()):
                 cls_of[members] = c
-                slot[members] = np.arange(len(members))
-                stacks.append((np.stack([src[i].buffer_offsets for i in members]),
-                               np.stack([dst[i].buffer_offsets for i in members])))
+                pair = []
+                for side, tables in enumerate((src, dst)):
+                    arrays: dict[int, int] = {}
+                    unique = []
+                    for i in members:
+                        a = tables[i].buffer_offsets
+                        k = arrays.get(id(a))
+                        if k is None:
+                            k = arrays[id(a)] = len(unique)
+                            unique.append(a)
+                        slot[i, side] = k
+                    pair.append(np.stack(unique))
+                stacks.append(tuple(pair))
+            by_name = self.destination._dtype_by_name()
+            dtypes = []
+            for name, t in zip(g.tensors, dst):
+                bufs = t.buffers
+                dt = by_name.get(bufs[0]) if bufs.count(bufs[0]) == len(bufs) else None
+                dtypes.append(_Repeated(dt) if dt is not None else self.destination.piece_dtypes(name))
             hit = self._stacked_cache[id(g)] = (
-                cls_of, slot, stacks, [t.buffers for t in src], [t.buffers for t in dst],
-                [self.destination.piece_dtypes(n) for n in g.tensors])
+                cls_of, slot, stacks, [t.buffers for t in src], [t.buffers for t in dst], dtypes)
         return hit
+
+
+class _Repeated:
+    """``x[i] == value`` for every ``i``: one dtype for all pieces of a tensor."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def __getitem__(self, i: int):
+        return self.value
 
 
 def plan(source: Layout, destination: Layout, *, max_bucket_bytes: int | None = None,

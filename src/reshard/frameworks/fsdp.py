@@ -33,6 +33,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
+from ..gc_pause import without_gc
 from ..layout import Layout, LayoutError, PieceTable, TensorSpec
 from . import framework_layout
 from ..models.arch import Arch, model_specs
@@ -90,6 +91,7 @@ def fsdp_placements(spec: TensorSpec, *, dp_shard: int, dp_replicate: int = 1, t
     return mesh, fsdp
 
 
+@without_gc
 def fsdp_layout(
     arch_or_specs: Arch | Sequence[TensorSpec],
     ranks: Sequence[int],

@@ -69,6 +69,7 @@ import numpy as np
 import torch
 
 from . import engine_ranks
+from ..gc_pause import without_gc
 from ..layout import Layout, LayoutError, PieceTable, TensorSpec
 from . import framework_layout
 from ..models.arch import Arch, get_arch, model_specs
@@ -308,6 +309,7 @@ def _geometry(shape: tuple[int, ...], placement: Placement, tp: int,
     return _Geometry(tuple(local_shapes), tuple(pieces))
 
 
+@without_gc
 def hf_layout(arch: Arch | str, ranks: Sequence[int], tp: int, dp: int = 1, *, dtype: torch.dtype | None = None,
               param_shapes: Mapping[str, Sequence[int]] | None = None, partial_heads: bool = False,
               validate: bool | None = None) -> Layout:

@@ -85,6 +85,7 @@ from typing import Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
+from ..gc_pause import without_gc
 from ..layout import Layout, LayoutError, PieceTable
 from . import framework_layout
 from ..models.arch import Arch, model_specs
@@ -430,6 +431,7 @@ def _check(a: Arch, g: MegatronGrid, te: bool) -> None:
 # the layout
 
 
+@without_gc
 def megatron_layout(
     arch: Arch,
     ranks: Sequence[int],

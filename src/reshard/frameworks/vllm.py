@@ -63,6 +63,7 @@ import numpy as np
 import torch
 
 from . import engine_ranks
+from ..gc_pause import without_gc
 from ..layout import Layout, LayoutError, PieceTable, TensorSpec
 from . import framework_layout
 from ..models.arch import Arch, model_specs
@@ -104,6 +105,7 @@ def expert_owners(experts: int, ep_size: int, placement: str = "linear") -> tupl
     return owner, e - starts[owner]
 
 
+@without_gc
 def vllm_layout(arch: Arch, ranks: Sequence[int], tp: int, dp: int = 1, *, expert_parallel: bool = False,
                 dtype: torch.dtype | None = None, independent_engines: bool = False,
                 expert_placement: str = "linear", sequence_parallel_moe: bool | None = None,
@@ -335,8 +337,8 @@ class _Builder:
                 boffs[:, :, 0] = np.arange(a.experts)[:, None]
                 if which == "up":
                     boffs[:, :, 1] = s
-                g = (self.ranks, offsets, np.tile(sizes, (self.n, 1)), boffs)
-                self._cache[key] = g = _frozen(g)
+                g = _frozen((self.ranks, offsets, np.tile(sizes, (self.n, 1)), boffs))
+                self._cache[key] = g = g[:3] + (list(g[3]),)  # one view per expert, reused by every layer
             return g[0], g[1], g[2], g[3][e]
         key = ("xep", which)
         g = self._cache.get(key)
@@ -348,9 +350,9 @@ class _Builder:
             boffs[:, :, 0] = self.local[:, None]
             if which == "up":
                 boffs[:, :, 1] = a.moe_intermediate
-            g = (self.ranks[idx], np.zeros((groups, 2), np.int64), np.tile(np.array(shape, np.int64), (groups, 1)),
-                 boffs)
-            self._cache[key] = g = _frozen(g)
+            g = _frozen((self.ranks[idx], np.zeros((groups, 2), np.int64),
+                         np.tile(np.array(shape, np.int64), (groups, 1)), boffs))
+            self._cache[key] = g = (list(g[0]), g[1], g[2], list(g[3]))  # per-expert views, reused by every layer
         return g[0][e], g[1], g[2], g[3][e]
 
     # ------------------------------------------------------------------ tensors

@@ -24,6 +24,7 @@ from typing import Mapping
 
 import torch
 
+from ..gc_pause import without_gc
 from ..layout import LayoutError, TensorSpec
 
 FAMILIES = ("llama", "qwen3", "qwen3_moe", "deepseek_v3")
@@ -222,6 +223,7 @@ def model_specs(a: Arch) -> list[TensorSpec]:
 
 
 @functools.lru_cache(maxsize=4)
+@without_gc
 def _specs(a: Arch) -> tuple[TensorSpec, ...]:
     """Cached: a training and an inference layout of one model share the ~60 k specs."""
     named = [("model.embed_tokens.weight", (a.vocab, a.hidden))]
