@@ -188,11 +188,10 @@ def traffic_from_pairs(phases: Sequence[PairBytes], placement: Placement, topolo
         gs, gd, kind = _link_kind(placement, s, d)
         quota = None
         if max_bucket_bytes is not None and r is None:
-            remote = kind > 0
-            streams = np.bincount(np.concatenate([s[remote], d[remote]]), minlength=placement.num_ranks)
+            # as the planner counts them: every pair of distinct ranks is a stream, same GPU or not
+            streams = np.bincount(np.concatenate([s, d]), minlength=placement.num_ranks)
             quota = np.array([pair_quota(max_bucket_bytes, int(streams[a]), int(streams[c]))
                               for a, c in zip(s.tolist(), d.tolist())], np.float64)
-            quota[~remote] = np.maximum(b[~remote], 1)  # local copies are not staged: one chunk
             if (quota <= 0).any():
                 raise ValueError(f"max_bucket_bytes={max_bucket_bytes} leaves no room for some pair's messages")
             R = int(np.ceil(b / quota).max()) if len(b) else 1
@@ -696,6 +695,8 @@ def lower_bound(demand: Demand, placement: Placement, topology: Topology | None 
         if b:
             terms.append(BoundTerm("domain NIC ingress", f"domain {d} ({n} NICs)", float(b), n * nic))
     src_gpus = np.unique(placement.gpu_of[list(placement.train_ranks)])
+    if demand.source_egress_bytes and not len(src_gpus):
+        raise ValueError("source_egress_bytes given but the placement has no training (source) ranks")
     if demand.source_egress_bytes:
         terms.append(BoundTerm("source NIC egress", f"all {len(src_gpus)} source GPUs",
                                float(demand.source_egress_bytes), len(src_gpus) * nic))
