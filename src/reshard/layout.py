@@ -288,10 +288,17 @@ class Layout:
     @property
     def ranks(self) -> list[int]:
         """Sorted global ranks that hold a piece or a buffer."""
+        return list(self._ranks)
+
+    @cached_property
+    def _ranks(self) -> tuple[int, ...]:
         rs = set(self._buffers)
+        seen: set[int] = set()
         for t in self.tables.values():
-            rs.update(t.ranks.tolist())
-        return sorted(rs)
+            if id(t.ranks) not in seen:  # tables often share one ranks array
+                seen.add(id(t.ranks))
+                rs.update(t.ranks.tolist())
+        return tuple(sorted(rs))
 
     @property
     def tensors(self) -> list[TensorSpec]:

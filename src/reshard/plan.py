@@ -24,6 +24,7 @@ Per-rank view (``plan.for_rank(r)``)::
 from __future__ import annotations
 
 import hashlib
+import heapq
 import itertools
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -161,21 +162,6 @@ def _row_tuples(a: np.ndarray) -> list[tuple[int, ...]]:
     return list(zip(*a.T.tolist()))
 
 
-def _geometry_id(table, interned: dict) -> int:
-    """A small int per distinct geometry; tables built from the same read-only arrays (framework
-    builders share them between layers) skip hashing their contents again."""
-    arrays = (table.ranks, table.offsets, table.sizes)
-    shared = not any(a.flags.writeable for a in arrays)
-    if shared:
-        hit = interned.get(tuple(map(id, arrays)))
-        if hit is not None:
-            return hit
-    gid = interned.setdefault(table.geometry_key(), len(interned))
-    if shared:  # the arrays stay alive (their tables hold them) while ``interned`` is in use
-        interned[tuple(map(id, arrays))] = gid
-    return gid
-
-
 class Plan:
     """All copies of a refit from ``source`` to ``destination`` (see module doc)."""
 
@@ -193,10 +179,17 @@ class Plan:
         self._stacked_cache: dict[int, tuple] = {}
         self.tensors = [n for n, t in destination.tables.items() if len(t)]
         keyed: dict[tuple, list[str]] = {}
-        interned: dict = {}
+        interned: dict[bytes, int] = {}
+        by_identity: dict[tuple, tuple] = {}  # tables built from the same arrays (shared by the builders)
+        specs, src_tables, dst_tables = destination.specs, source.tables, destination.tables
         for name in self.tensors:
-            key = (destination.specs[name].shape, _geometry_id(source.tables[name], interned),
-                   _geometry_id(destination.tables[name], interned))
+            st, dt = src_tables[name], dst_tables[name]
+            ident = (specs[name].shape, id(st.ranks), id(st.offsets), id(st.sizes),
+                     id(dt.ranks), id(dt.offsets), id(dt.sizes))
+            key = by_identity.get(ident)
+            if key is None:  # every table stays alive (and unchanged) while planning: ids are unique
+                key = by_identity[ident] = (ident[0], interned.setdefault(st.geometry_key(), len(interned)),
+                                            interned.setdefault(dt.geometry_key(), len(interned)))
             keyed.setdefault(key, []).append(name)
         position = {n: i for i, n in enumerate(self.tensors)}
         self._groups: list[_Group] = []
@@ -267,28 +260,44 @@ class Plan:
         near_load = [0] * len(load)  # bytes sent within the destination's domain
         dom_list = dom.tolist() if dom is not None else None
         cand_ranks: dict[int, list[list[int]]] = {}
+        homes: dict[int, list[int]] = {}
         orders: dict[int, list[list[int]]] = {}
-        for _, gi, j in work:
+        i = 0
+        while i < len(work):
+            negb, gi, j = work[i]
             g = self._groups[gi]
             ranks = cand_ranks.get(gi)
             if ranks is None:
                 ranks = cand_ranks[gi] = self._candidate_ranks(g)
+                if dom_list is not None:
+                    homes[gi] = dom[g.dst_rank[g.choice_cols]].tolist()
                 orders[gi] = [[]] * len(g.choice_cols)
             cr = ranks[j]
             pool, use = range(len(cr)), load
             if dom_list is not None:
-                home = dom_list[int(g.dst_rank[g.choice_cols[j]])]
-                near = [x for x in pool if dom_list[cr[x]] == home]
+                near = [x for x in pool if dom_list[cr[x]] == homes[gi][j]]
                 if near:
                     pool, use = near, near_load
             if len(pool) == 2:  # the common case (two replicas), without a sort
                 a, b = pool
                 order = [a, b] if (use[cr[a]], cr[a]) <= (use[cr[b]], cr[b]) else [b, a]
+            elif len(pool) > len(g.tensors):  # only the least-loaded len(tensors) candidates get instances
+                order = heapq.nsmallest(len(g.tensors), pool, key=lambda x: (use[cr[x]], cr[x]))
             else:
                 order = sorted(pool, key=lambda x: (use[cr[x]], cr[x]))
-            for x, nbytes in zip(order, self._dealt_bytes(g, j, len(order))):
-                use[cr[x]] += nbytes
-            orders[gi][j] = order
+            dealt = self._dealt_bytes(g, j, len(order))
+            # A run of the next columns of this group with the same candidates and bytes, dealt evenly:
+            # every candidate gains alike, so the order stays and the whole run takes it at once.
+            run = i + 1
+            if len(order) == len(pool) and dealt.count(dealt[0]) == len(dealt):
+                while (run < len(work) and work[run][0] == negb and work[run][1] == gi and ranks[work[run][2]] == cr
+                       and (dom_list is None or homes[gi][work[run][2]] == homes[gi][j])):
+                    run += 1
+            for x, nbytes in zip(order, dealt):
+                use[cr[x]] += nbytes * (run - i)
+            for _, _, jj in work[i:run]:
+                orders[gi][jj] = order
+            i = run
         for gi, g in enumerate(self._groups):
             if len(g.choice_cols):
                 self._fill_choices(g, orders[gi])
