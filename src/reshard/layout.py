@@ -84,9 +84,10 @@ def box_str(offsets: Sequence[int], sizes: Sequence[int]) -> str:
     return "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(offsets, sizes)) + "]"
 
 
-@dataclass(frozen=True, eq=False, slots=True)
+@dataclass(eq=False, slots=True)
 class PieceTable:
-    """All pieces of one tensor in one layout, as numpy arrays (row i = piece i)."""
+    """All pieces of one tensor in one layout, as numpy arrays (row i = piece i); treat as read-only
+    (tables of many tensors share arrays)."""
 
     ranks: np.ndarray  # int64 [k]
     offsets: np.ndarray  # int64 [k, ndim]

@@ -155,6 +155,12 @@ def _domain_array(domains: Mapping[int, int] | None, source: Layout, destination
     return out
 
 
+def _one_itemsize(buffers: tuple[str, ...], dtypes: Mapping[str, torch.dtype | None]) -> int | None:
+    """The itemsize when all pieces lie in one buffer name of one dtype on every rank, else None."""
+    dt = dtypes.get(buffers[0]) if buffers and buffers.count(buffers[0]) == len(buffers) else None
+    return None if dt is None else dt.itemsize
+
+
 def _row_tuples(a: np.ndarray) -> list[tuple[int, ...]]:
     """Rows of a 2-D int array as tuples (column-wise ``tolist`` + ``zip``: the fast way)."""
     if a.shape[1] == 0:
@@ -192,6 +198,7 @@ class Plan:
                                             interned.setdefault(dt.geometry_key(), len(interned)))
             keyed.setdefault(key, []).append(name)
         position = {n: i for i, n in enumerate(self.tensors)}
+        buffer_dtypes = destination._dtype_by_name()
         self._groups: list[_Group] = []
         for names in keyed.values():
             first = names[0]
@@ -201,7 +208,9 @@ class Plan:
             if destination.single_dtype is not None:  # the common case: one itemsize everywhere
                 isz = np.full((1, len(dt)), destination.single_dtype.itemsize, np.int64)
             else:
-                uniform = [destination.uniform_itemsize(n) for n in names]
+                uniform = [_one_itemsize(dst_tables[n].buffers, buffer_dtypes) for n in names]
+                if None in uniform:
+                    uniform = [destination.uniform_itemsize(n) for n in names]
                 if None not in uniform:  # each tensor's pieces share one buffer dtype
                     col = np.array(uniform, np.int64)[:, None]
                     if (col == col[0]).all():
@@ -278,21 +287,35 @@ class Plan:
                 near = [x for x in pool if dom_list[cr[x]] == homes[gi][j]]
                 if near:
                     pool, use = near, near_load
+            n = len(g.tensors)
+            run = i + 1  # the next columns of this group with the same candidates and bytes
+            while (run < len(work) and work[run][0] == negb and work[run][1] == gi and ranks[work[run][2]] == cr
+                   and (dom_list is None or homes[gi][work[run][2]] == homes[gi][j])):
+                run += 1
+            column = g.nbytes[:, g.choice_cols[j]]
+            if len(pool) > n and (column.strides[0] == 0 or n == 1):
+                # more replicas than tensors, one size: per column the n least loaded take one instance each
+                w = int(column[0])
+                heap = [(use[cr[x]], cr[x], x) for x in pool]
+                heapq.heapify(heap)
+                for _, _, jj in work[i:run]:
+                    picked = [heapq.heappop(heap) for _ in range(n)]
+                    orders[gi][jj] = [x for _, _, x in picked]
+                    for lo, r, x in picked:
+                        heapq.heappush(heap, (lo + w, r, x))
+                for lo, r, _ in heap:
+                    use[r] = lo
+                i = run
+                continue
             if len(pool) == 2:  # the common case (two replicas), without a sort
                 a, b = pool
                 order = [a, b] if (use[cr[a]], cr[a]) <= (use[cr[b]], cr[b]) else [b, a]
-            elif len(pool) > len(g.tensors):  # only the least-loaded len(tensors) candidates get instances
-                order = heapq.nsmallest(len(g.tensors), pool, key=lambda x: (use[cr[x]], cr[x]))
             else:
-                order = sorted(pool, key=lambda x: (use[cr[x]], cr[x]))
+                order = sorted(pool, key=lambda x: (use[cr[x]], cr[x]))[:n]
             dealt = self._dealt_bytes(g, j, len(order))
-            # A run of the next columns of this group with the same candidates and bytes, dealt evenly:
-            # every candidate gains alike, so the order stays and the whole run takes it at once.
-            run = i + 1
-            if len(order) == len(pool) and dealt.count(dealt[0]) == len(dealt):
-                while (run < len(work) and work[run][0] == negb and work[run][1] == gi and ranks[work[run][2]] == cr
-                       and (dom_list is None or homes[gi][work[run][2]] == homes[gi][j])):
-                    run += 1
+            if not (len(order) == len(pool) and dealt.count(dealt[0]) == len(dealt)):
+                run = i + 1  # uneven gains change the order: one column at a time
+            # dealt evenly, every candidate gains alike, so the order stays for the whole run
             for x, nbytes in zip(order, dealt):
                 use[cr[x]] += nbytes * (run - i)
             for _, _, jj in work[i:run]:
