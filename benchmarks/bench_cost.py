@@ -4,21 +4,27 @@ Run from the repository root (``make bench-cost`` does)::
 
     python benchmarks/bench_cost.py [--configs 4-4:4x1,8-4:2x2] [--repeat 3] [--layers 4]
 
-Section 1 (one process): pack/unpack bandwidth and per-copy overhead of
-``reshard.local.pack``/``unpack`` on tensor-parallel-shaped boxes.
+Section 1 (this process): bandwidth and per-box cost of ``reshard.local.pack`` and
+``unpack`` as the executor calls them (a fresh staging tensor per 2 MiB message of
+strided tensor-parallel boxes).
 
-Section 2 (4 processes, gloo over TCP loopback, the executor's own
-``batch_isend_irecv`` path): one-way latency of a tiny message, the extra time
-per message in a batch, one pair's bandwidth, and the host's total bandwidth with
-two pairs sending at once.
-
-These fill ``Topology.preset("cpu")`` (printed, ready to paste into
-``CPU_MEASURED`` in ``src/reshard/topology.py``). Section 3 spawns real refits of
-a small Qwen3-shaped model (FSDP-style ``Shard(0)`` sources -> tensor-parallel
-destinations, as ``make bench`` does) with ``reshard.ReshardExecutor``, verifies
-every destination byte, and puts the measured time (slowest rank's
-``RunStats.seconds``, best of ``--repeat`` after one warm-up run) beside the
-model's prediction from ``cost.traffic_from_plan`` + ``cost.model_time``.
+Then, for each configuration, one gloo process group of M + N processes (TCP
+loopback; ``batch_isend_irecv`` like the executor). Section 2, ranks 0-3 only,
+the others waiting: median one-way latency of a 1-byte ping-pong; the CPU cost
+per message end, from a round in which each of the 4 sends 16 bytes to every
+other; one pair's bandwidth and two pairs' total with 64 MiB messages into fresh
+receive buffers. The machine is shared, so these are measured again, in the same
+minute, before each refit; they fill ``Topology.preset("cpu")`` (the first
+configuration's values are printed ready for ``CPU_MEASURED`` in
+``src/reshard/topology.py``). Section 3: a real refit of a small Qwen3-shaped
+model (FSDP-style ``Shard(0)`` sources -> tensor-parallel destinations, as
+``make bench`` does) with ``reshard.ReshardExecutor``, every destination byte
+verified, and the measured time (slowest rank's ``RunStats.seconds``, best of
+``--repeat`` after one warm-up run) beside the model's prediction from
+``cost.traffic_from_plan`` + ``cost.model_time``. Beside it, one round of
+16-byte messages on every source-destination pair, modeled and measured among
+the refit's own processes: how far the per-message cost measured with 4
+processes carries over to 8 or 12.
 Target (issue 4): within 30 %.
 """
 
@@ -64,33 +70,42 @@ def best(fn, repeat: int) -> float:
 
 
 # ------------------------------------------------------------------ section 1: pack / unpack
-def _column_copies(rows: int, cols: int, parts: int, dtype: torch.dtype) -> list[Copy]:
-    """A [rows, cols] weight split into ``parts`` column blocks: strided boxes, as tensor parallelism cuts."""
-    w = cols // parts
-    return [Copy("w", (0, i * w), (rows, w), "w", (0, i * w), "w", (0, i * w), dtype) for i in range(parts)]
+def _block_messages(rows: int, cols: int, dtype: torch.dtype, message_bytes: int) -> list[Message]:
+    """A [rows, cols] weight cut into tensor-parallel column halves, packed as messages of about
+    ``message_bytes`` (strided 2-D boxes, as a refit's messages are)."""
+    half = cols // 2
+    row_bytes = half * dtype.itemsize
+    step = max(1, message_bytes // row_bytes)
+    out = []
+    for c0 in (0, half):
+        for r0 in range(0, rows, step):
+            r = min(step, rows - r0)
+            out.append(Message(1, 0, [Copy("w", (r0, c0), (r, half), "w", (r0, c0), "w", (r0, c0), dtype)]))
+    return out
 
 
-def measure_copies(repeat: int = 5) -> dict:
-    """Bytes/s of pack + unpack on 2 KiB-row boxes, and the fixed cost per copied box."""
+def measure_copies(repeat: int = 5, message_bytes: int = 2 * MiB) -> dict:
+    """Bytes/s of pack + unpack as the executor calls them (a fresh staging tensor per message), and the
+    fixed cost per copied box."""
     torch.set_num_threads(1)
     dt = torch.bfloat16
-    big = {"w": torch.randn(4096, 2048).to(dt)}  # 16 MiB
-    dst = {"w": torch.empty_like(big["w"])}
-    msg = Message(1, 0, _column_copies(4096, 2048, 2, dt))
-    payload = pack(msg, big)
-    t_pack = best(lambda: pack(msg, big, out=payload), repeat)
-    t_unpack = best(lambda: unpack(msg, payload, dst), repeat)
-    nbytes = msg.payload_bytes
-    bw = 2 * nbytes / (t_pack + t_unpack)
-    # many one-element boxes: the per-copy cost (pack + unpack, per box, minus the bytes' share)
+    src = {"w": torch.randn(4096, 4096).to(dt)}  # 32 MiB, bigger than the caches
+    dst = {"w": torch.empty_like(src["w"])}
+    msgs = _block_messages(4096, 4096, dt, message_bytes)
+    nbytes = sum(m.payload_bytes for m in msgs)
+
+    def round_trip():
+        for m in msgs:
+            unpack(m, pack(m, src), dst)
+
+    bw = 2 * nbytes / best(round_trip, repeat)
+    # many one-element boxes: the per-box cost (pack + unpack, per box)
     small = {"w": torch.randn(64, 64).to(dt)}
     sdst = {"w": torch.empty_like(small["w"])}
     copies = [Copy("w", (i // 64, i % 64), (1, 1), "w", (i // 64, i % 64), "w", (i // 64, i % 64), dt)
               for i in range(2048)]
     smsg = Message(1, 0, copies)
-    spay = pack(smsg, small)
-    t_small = best(lambda: pack(smsg, small, out=spay), repeat) + best(lambda: unpack(smsg, spay, sdst), repeat)
-    per_copy = t_small / (2 * len(copies))
+    per_copy = best(lambda: unpack(smsg, pack(smsg, small), sdst), repeat) / (2 * len(copies))
     return {"copy_bytes_per_s": bw, "copy_overhead_s": per_copy}
 
 
@@ -101,11 +116,23 @@ def _exchange(rank: int, peer: int, tensors: list[torch.Tensor], send: bool) -> 
         w.wait()
 
 
-def _loopback_worker(rank: int, world: int, out_path: str, nbytes: int, repeat: int) -> None:
-    peer = rank ^ 1  # pairs (0, 1) and (2, 3)
+def calibrate(rank: int, nbytes: int, repeat: int) -> dict:
+    """Collective over the whole group; only ranks 0-3 exchange (the others wait at the barriers).
+
+    Ranks (0, 1) and (2, 3) are pairs. Measures: the median one-way time of a 1-byte ping-pong
+    (0 <-> 1); the median round in which each of ranks 0-3 sends 16 bytes to and receives 16 bytes
+    from each of the 3 others; one pair's bandwidth and two pairs' total with ``nbytes`` messages.
+    """
+    peer = rank ^ 1
     sender = rank % 2 == 0
+    active = rank < 4
     res = {}
     tiny = [torch.zeros(1, dtype=torch.uint8)]
+
+    def collect(value: float) -> float:
+        out = torch.tensor([value])
+        dist.all_reduce(out, op=dist.ReduceOp.MAX)
+        return float(out)
 
     def pingpong(n: int) -> float:
         """Median one-way time of ``n`` round trips, each timed alone (robust to other jobs' bursts)."""
@@ -117,29 +144,12 @@ def _loopback_worker(rank: int, world: int, out_path: str, nbytes: int, repeat: 
                 _exchange(rank, peer, tiny, sender)
                 _exchange(rank, peer, tiny, not sender)
                 times.append((time.perf_counter() - t) / 2)
-        out = torch.tensor([statistics.median(times) if times else 0.0])
-        dist.all_reduce(out, op=dist.ReduceOp.MAX)
-        return float(out)
+        return collect(statistics.median(times) if times else 0.0)
 
     pingpong(20)
     res["latency_s"] = pingpong(200)
 
-    def batch(k: int) -> float:
-        bufs = [torch.zeros(16, dtype=torch.uint8) for _ in range(k)]
-        times = []
-        for _ in range(repeat + 2):
-            dist.barrier()
-            t = time.perf_counter()
-            if rank < 2:
-                _exchange(rank, peer, bufs, sender)
-            times.append(time.perf_counter() - t)
-        return min(times)
-
-    t1, t64 = batch(1), batch(64)
-    res["message_overhead_s"] = max(t64 - t1, 0.0) / 63
-
-    # all 4 processes, each sending 16 bytes to and receiving 16 bytes from each of the 3 others
-    others = [r for r in range(world) if r != rank]
+    others = [r for r in range(4) if r != rank] if active else []
     small = [torch.zeros(16, dtype=torch.uint8) for _ in range(2 * len(others))]
     rounds = []
     for _ in range(30):
@@ -147,45 +157,41 @@ def _loopback_worker(rank: int, world: int, out_path: str, nbytes: int, repeat: 
         t = time.perf_counter()
         ops = [dist.P2POp(dist.isend, small[i], p) for i, p in enumerate(others)]
         ops += [dist.P2POp(dist.irecv, small[len(others) + i], p) for i, p in enumerate(others)]
-        for w in dist.batch_isend_irecv(ops):
-            w.wait()
-        dt = torch.tensor([time.perf_counter() - t])
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-        rounds.append(float(dt))
+        if ops:
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+        rounds.append(collect(time.perf_counter() - t))
     res["all_pairs_round_s"] = statistics.median(rounds)
-    res["processes"] = world
 
-    big = torch.zeros(nbytes, dtype=torch.uint8)
+    big = torch.zeros(nbytes if active else 1, dtype=torch.uint8)
 
-    def stream(active: set[int]) -> float:
+    def stream(pairs: set[int]) -> float:
         times = []
         for _ in range(repeat):
+            # receivers get a fresh buffer each time, as the executor's receive staging is
+            buf = big if sender else torch.empty(nbytes if active else 1, dtype=torch.uint8)
             dist.barrier()
             t = time.perf_counter()
-            if rank in active:
-                _exchange(rank, peer, [big], sender)
-            dt = torch.tensor([time.perf_counter() - t])
-            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-            times.append(float(dt))
+            if rank in pairs:
+                _exchange(rank, peer, [buf], sender)
+            times.append(collect(time.perf_counter() - t))
         return min(times)
 
     stream({0, 1})  # warm the connection
     res["pair_bytes_per_s"] = nbytes / stream({0, 1})
     res["host_bytes_per_s"] = 2 * nbytes / stream({0, 1, 2, 3})
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(res, f)
+    return res
 
 
-def measure_loopback(nbytes: int, repeat: int) -> dict:
-    fd, path = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    try:
-        rs.spawn(_loopback_worker, 4, path, nbytes, repeat, backend="gloo")
-        with open(path) as f:
-            return json.load(f)
-    finally:
-        os.unlink(path)
+CPU_MEASURED_COPIES = {k: CPU_MEASURED[k] for k in ("copy_bytes_per_s", "copy_overhead_s")}
+
+
+def topology_from(copies: dict, loop: dict, cores: int):
+    """The cpu topology's measured fields from section 1's and section 2's measurements."""
+    return dict(nic_bytes_per_s=loop["pair_bytes_per_s"], host_bytes_per_s=loop["host_bytes_per_s"],
+                net_latency_s=loop["latency_s"], launch_latency_s=0.0, copy_bytes_per_s=copies["copy_bytes_per_s"],
+                message_overhead_s=message_cost(loop["all_pairs_round_s"], loop["latency_s"], 4, cores),
+                copy_overhead_s=copies["copy_overhead_s"], host_cores=cores)
 
 
 # ------------------------------------------------------------------ section 3: real refits
@@ -222,7 +228,8 @@ def _message_costs(rank: int, sources: list[int], dests: list[int], rounds: int 
 
 
 def _refit_worker(rank: int, world: int, out_path: str, model, m: int, tp: int, dp: int, bucket: int | None,
-                  repeat: int) -> None:
+                  repeat: int, stream_bytes: int) -> None:
+    calib = calibrate(rank, stream_bytes, repeat)
     lay = demo_layouts(model, m, tp, dp)
     plan = rs.plan(lay.source, lay.destination, max_bucket_bytes=bucket)
     src = verify.fill_source(lay.source, rank) if rank in lay.source_ranks else {}
@@ -244,14 +251,15 @@ def _refit_worker(rank: int, world: int, out_path: str, model, m: int, tp: int, 
     dist.all_gather_object(seen, len(bad))
     if rank == 0:
         with open(out_path, "w") as f:
-            json.dump({"seconds": secs, "mismatches": sum(seen), **costs}, f)
+            json.dump({"seconds": secs, "mismatches": sum(seen), "calibration": calib, **costs}, f)
 
 
-def wakeup_cost(round_s: float, latency_s: float, overhead_s: float, p: int, cores: int) -> float:
-    """Per-rank, per-round scheduling cost that makes the cost model reproduce a measured round in which
-    each of ``p`` processes sends 16 bytes to and receives 16 bytes from every other: that round
-    models as ``latency + (p * 2 (p - 1) * overhead + p * wakeup) / cores`` on the shared host."""
-    return max((round_s - latency_s) * cores - p * 2 * (p - 1) * overhead_s, 0.0) / p
+def message_cost(round_s: float, latency_s: float, p: int, cores: int) -> float:
+    """CPU seconds per message end that make the cost model reproduce a measured round in which each
+    of ``p`` processes sends 16 bytes to and receives 16 bytes from every other: the model gives that
+    round ``latency + p * 2 (p - 1) * cost / cores`` on a shared host with at least as many processes
+    as cores."""
+    return max(round_s - latency_s, 0.0) * cores / (p * 2 * (p - 1))
 
 
 def empty_round_model(topo, m: int, n: int) -> float:
@@ -261,11 +269,11 @@ def empty_round_model(topo, m: int, n: int) -> float:
     return model_time(traffic_from_pairs([pairs], place, topo), topo).seconds
 
 
-def run_refit(model, m: int, tp: int, dp: int, bucket: int | None, repeat: int) -> dict:
+def run_refit(model, m: int, tp: int, dp: int, bucket: int | None, repeat: int, stream_bytes: int) -> dict:
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:
-        rs.spawn(_refit_worker, m + tp * dp, path, model, m, tp, dp, bucket, repeat, backend="gloo")
+        rs.spawn(_refit_worker, m + tp * dp, path, model, m, tp, dp, bucket, repeat, stream_bytes, backend="gloo")
         with open(path) as f:
             return json.load(f)
     finally:
@@ -282,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="staging cap per rank in MiB (several rounds at these sizes; default %(default)s)")
     ap.add_argument("--stream-mb", type=float, default=64.0, help="message size for loopback bandwidth (MiB)")
     ap.add_argument("--stored", action="store_true",
-                    help="skip sections 1-2 and model with the values stored in topology.py")
+                    help="model with the values stored in topology.py instead of this run's")
     args = ap.parse_args(argv)
     console = Console(width=max(Console().width, 200))
     cmd = " ".join(["python", "benchmarks/bench_cost.py"] + [shlex.quote(a) for a in (argv or sys.argv[1:])])
@@ -290,61 +298,44 @@ def main(argv: list[str] | None = None) -> int:
     console.print(f"machine: {os.cpu_count()} CPUs, {platform.machine()}, python {platform.python_version()}, "
                   f"torch {torch.__version__}, gloo over loopback")
     start = time.perf_counter()
-
-    if args.stored:
-        measured = dict(CPU_MEASURED)
-    else:
+    cores = os.cpu_count() or 1
+    copies = None
+    if not args.stored:
         with console.status("measuring pack/unpack ..."):
             copies = measure_copies(args.repeat + 2)
-        with console.status("measuring gloo loopback (4 processes) ..."):
-            loop = measure_loopback(int(args.stream_mb * MiB), args.repeat)
-        cores = os.cpu_count() or 1
-        measured = dict(nic_bytes_per_s=loop["pair_bytes_per_s"], host_bytes_per_s=loop["host_bytes_per_s"],
-                        net_latency_s=loop["latency_s"], launch_latency_s=0.0,
-                        copy_bytes_per_s=copies["copy_bytes_per_s"],
-                        message_overhead_s=loop["message_overhead_s"], copy_overhead_s=copies["copy_overhead_s"],
-                        host_cores=cores,
-                        host_wakeup_s=wakeup_cost(loop["all_pairs_round_s"], loop["latency_s"],
-                                                  loop["message_overhead_s"], loop["processes"], cores))
-    topo = cpu_topology(**measured)
-    t = Table(title="cpu topology: measured on this machine" + (" (stored values)" if args.stored else ""))
-    for c in ("quantity", "value", "how"):
-        t.add_column(c, justify="right" if c == "value" else "left")
-    rows = [
-        ("pack+unpack bandwidth", f"{topo.copy_bytes_per_s / 1e9:.2f} GB/s", "local.pack/unpack, 2 KiB-row boxes, 1 thread"),
-        ("per-copy overhead", f"{topo.copy_overhead_s * 1e6:.1f} us", "pack+unpack of 2048 one-element boxes"),
-        ("one pair's bandwidth", f"{topo.nic_bytes_per_s / 1e9:.2f} GB/s", f"{args.stream_mb:g} MiB isend/irecv, 2 processes"),
-        ("host bandwidth", f"{topo.host_bytes_per_s / 1e9:.2f} GB/s", "two pairs at once, bytes of both"),
-        ("message latency", f"{topo.net_latency_s * 1e6:.1f} us", "half a ping-pong of 1 byte, median of 200"),
-        ("per-message overhead", f"{topo.message_overhead_s * 1e6:.1f} us", "64 vs 1 messages in one batch"),
-        ("per-rank round cost", f"{topo.host_wakeup_s * 1e6:.1f} us", "4 processes, each 16 B to every other "
-                                                                        "(median of 30), less latency and overheads"),
-        ("shared cores", str(topo.host_cores), "os.cpu_count()"),
-    ]
-    for r in rows:
-        t.add_row(*r)
-    console.print(t)
-    console.print("CPU_MEASURED = dict(" + ", ".join(
-        f"{k}={v!r}" if isinstance(v, int) else f"{k}={v:.4g}" for k, v in measured.items()) + ")")
-
     model = QWEN3_0_6B.with_overrides(layers=args.layers, vocab=args.vocab)
     bucket = int(args.max_bucket_mb * MiB) or None
     res = Table(title=f"modeled vs measured refit (ReshardExecutor over gloo): Qwen3-shaped, {args.layers} layers, "
                       f"vocab {args.vocab}, {model.nbytes / 1e6:.1f} MB bf16; staging cap {args.max_bucket_mb:g} MiB")
     for c in ("config", "procs", "wire MB", "rounds", "msgs", "modeled s", "measured s", "measured/modeled",
-              "within 30%", "bottleneck", "empty round ms: modeled", "measured", "ping-pong ms"):
+              "within 30%", "bottleneck", "empty round ms: modeled", "measured"):
         res.add_column(c, justify="left" if c in ("config", "bottleneck") else "right")
+    calib = Table(title="cpu topology, measured in each configuration's process group just before its refit"
+                  + (" (not used: --stored)" if args.stored else ""))
+    calib.add_column("quantity")
+    calib.add_column("how")
     ok = True
+    values: list[list[str]] = []
+    first = None
     for m, tp, dp in parse_configs(args.configs):
         n = tp * dp
         label = f"{m}->{n} tp{tp}" + (f"xdp{dp}" if dp > 1 else "")
         lay = demo_layouts(model, m, tp, dp)
         plan = rs.plan(lay.source, lay.destination, max_bucket_bytes=bucket)
         with console.status(f"{label}: {m + n} processes ..."):
-            got = run_refit(model, m, tp, dp, bucket, args.repeat)
+            got = run_refit(model, m, tp, dp, bucket, args.repeat, int(args.stream_mb * MiB))
         if got["mismatches"]:
             console.print(f"[bold red]{label}: {got['mismatches']} wrong destination elements")
             return 1
+        measured = dict(CPU_MEASURED) if args.stored else topology_from(copies, got["calibration"], cores)
+        first = first or measured
+        topo = cpu_topology(**measured)
+        fresh = cpu_topology(**topology_from(copies or CPU_MEASURED_COPIES, got["calibration"], cores))
+        calib.add_column(label, justify="right")
+        values.append([f"{fresh.copy_bytes_per_s / 1e9:.2f} GB/s", f"{fresh.copy_overhead_s * 1e6:.1f} us",
+                       f"{fresh.nic_bytes_per_s / 1e9:.2f} GB/s", f"{fresh.host_bytes_per_s / 1e9:.2f} GB/s",
+                       f"{fresh.net_latency_s * 1e6:.0f} us", f"{fresh.message_overhead_s * 1e6:.0f} us",
+                       str(fresh.host_cores)])
         place = Placement.contiguous(topo, m, n)
         est = model_time(traffic_from_plan(plan, place, topo), topo)
         meas = min(got["seconds"])
@@ -355,16 +346,26 @@ def main(argv: list[str] | None = None) -> int:
         res.add_row(label, str(m + n), f"{plan.wire_bytes / 1e6:.1f}", str(plan.num_rounds), str(plan.num_messages),
                     f"{est.seconds:.3f}", f"{meas:.3f}", f"{ratio:.2f}", "yes" if within else "NO",
                     f"{b.kind} {'node' if b.kind == 'host' else 'GPU'} {b.where}" if b else "-",
-                    f"{empty_round_model(topo, m, n) * 1e3:.2f}", f"{got['empty_round_s'] * 1e3:.2f}",
-                    f"{got['latency_s'] * 1e3:.2f}")
-        console.print(f"  {label}: measured {', '.join(f'{s:.3f}' for s in got['seconds'])} s (verified); "
-                      f"empty round {got['empty_round_s'] * 1e3:.2f} ms")
+                    f"{empty_round_model(topo, m, n) * 1e3:.2f}", f"{got['empty_round_s'] * 1e3:.2f}")
+        console.print(f"  {label}: measured {', '.join(f'{s:.3f}' for s in got['seconds'])} s (verified)")
+    hows = ["reshard.local.pack + unpack of 2 MiB messages of 4 KiB-row boxes, fresh staging each, 1 thread",
+            "pack + unpack of 2048 one-element boxes", f"ranks 0 -> 1, {args.stream_mb:g} MiB",
+            "0 -> 1 and 2 -> 3 at once, bytes of both (fresh receive buffers)", "0 <-> 1, half a 1-byte ping-pong, median of 200",
+            "ranks 0-3 each send 16 B to each other: (median round - latency) x cores / 24 message ends",
+            "os.cpu_count()"]
+    names = ["pack+unpack bandwidth", "per-copy overhead", "one pair's bandwidth", "host bandwidth",
+             "message latency", "CPU per message end", "shared cores"]
+    for i, (name, how) in enumerate(zip(names, hows)):
+        calib.add_row(name, how, *[v[i] for v in values])
+    console.print(calib)
+    if first is not None and not args.stored:
+        console.print("first configuration's values, for CPU_MEASURED in src/reshard/topology.py: " + ", ".join(
+            f"{k}={v!r}" if isinstance(v, int) else f"{k}={v:.4g}" for k, v in first.items()), highlight=False)
     res.caption = ("measured: slowest rank's RunStats.seconds, best of the repeats after a warm-up run. modeled: "
-                   "cost.model_time(cost.traffic_from_plan(plan)) with the cpu topology above (all ranks on one host "
-                   "sharing its cores and loopback). empty round: one round of 16-byte messages on every "
-                   "source-destination pair, modeled and measured among the refit's own processes just before it "
-                   "runs, with the one-way ping-pong latency there: how far the per-round costs carry over from 4 "
-                   "processes to this many")
+                   "cost.model_time(cost.traffic_from_plan(plan)) with that configuration's cpu topology above (or the "
+                   "stored one with --stored): all ranks on one host sharing its cores and loopback. empty round: "
+                   "one round of 16-byte messages on every source-destination pair, modeled, and measured among the "
+                   "refit's processes: how far the per-round costs measured with 4 processes carry over to this many")
     res.caption_justify = "left"
     console.print(res)
     console.print(f"{'every' if ok else 'NOT every'} configuration within 30% of the model in this run; "

@@ -95,8 +95,7 @@ def test_two_phases_pipeline_by_round():
 def test_shared_host_cores_bound_the_cpu_preset():
     # 4 processes on one host: each pair alone 1 s at 1 GB/s, but the host moves 1 GB/s in all
     topo = Topology.preset("cpu").with_(nic_bytes_per_s=1 * GB, host_bytes_per_s=1 * GB, copy_bytes_per_s=math.inf,
-                                        message_overhead_s=0.0, net_latency_s=0.0, copy_overhead_s=0.0,
-                                        host_wakeup_s=0.0)
+                                        message_overhead_s=0.0, net_latency_s=0.0, copy_overhead_s=0.0)
     place = Placement.contiguous(topo, 2, 2)
     est = model_time(traffic_from_pairs([{(0, 2): 1 * GB, (1, 3): 1 * GB}], place), topo)
     assert est.seconds == pytest.approx(2.0)
@@ -107,17 +106,16 @@ def test_shared_host_cores_bound_the_cpu_preset():
     assert est2.seconds == pytest.approx(max(4 / 2 + 0.02, 1 + 0.01 + 1)) and est2.bottleneck.kind == "host"
 
 
-def test_round_cost_per_rank_on_a_shared_host():
-    # 3 rounds; in each, 4 ranks take part and each costs 0.5 s of the 2 shared cores' time
+def test_message_costs_add_up_on_a_shared_host():
+    # 3 rounds of 2 messages; each message costs 0.5 s of CPU at each end, on 2 shared cores
     topo = Topology.preset("cpu").with_(nic_bytes_per_s=1e30, host_bytes_per_s=1e30, copy_bytes_per_s=math.inf,
-                                        message_overhead_s=0.0, net_latency_s=0.0, copy_overhead_s=0.0,
-                                        host_wakeup_s=0.5)
+                                        message_overhead_s=0.5, net_latency_s=0.0, copy_overhead_s=0.0)
     place = Placement.contiguous(topo, 2, 2)
     est = model_time(traffic_from_pairs([{(0, 2): 30, (1, 3): 30}], place, rounds=3), topo)
-    assert est.seconds == pytest.approx(3 * 4 * 0.5 / 2)
-    # ranks 1 and 3 with nothing to move take no part
-    est1 = model_time(traffic_from_pairs([{(0, 2): 30}], place, rounds=3), topo)
-    assert est1.seconds == pytest.approx(3 * 2 * 0.5 / 2)
+    assert est.seconds == pytest.approx(3 * max(0.5 + 0.5, 4 * 0.5 / 2))
+    # one sender to two receivers: its 2 posts run one after another on its own
+    est1 = model_time(traffic_from_pairs([{(0, 2): 30, (0, 3): 30}], place, rounds=3), topo)
+    assert est1.seconds == pytest.approx(3 * (2 * 0.5 + 0.5))
 
 
 def test_same_gpu_pair_is_a_local_copy():

@@ -16,7 +16,7 @@ all messages fly at once, every rank unpacks what it got ::
                                 max_n host[n] )
     pack[g]   = packed bytes[g] / copy_bw + messages out[g] * message_overhead + copies out[g] * copy_overhead
     unpack[g] = the same for what g receives
-    host[n]   = sum_{g in n} (pack[g] + unpack[g] + wakeup * [g sends or receives]) / host_cores
+    host[n]   = sum_{g in n} (pack[g] + unpack[g]) / host_cores
                 + max(sum_{g in n} nic_out[g], sum_{g in n} nic_in[g]) / host_bw
 
 with k over NIC out, NIC in, NVLink out, NVLink in (full duplex, all links at once),
@@ -340,10 +340,6 @@ def _round(ph: PhaseTraffic, j: int, topology: Topology, node_of_gpu: np.ndarray
             out = np.bincount(node_of_gpu, weights=ph.bytes[j, NIC_OUT], minlength=n_nodes)
             inn = np.bincount(node_of_gpu, weights=ph.bytes[j, NIC_IN], minlength=n_nodes)
             host = host + np.maximum(out, inn) / topology.host_bytes_per_s
-        if topology.host_wakeup_s:
-            active = msgs.sum(axis=0) > 0
-            host = host + np.bincount(node_of_gpu, weights=active, minlength=n_nodes) * (
-                topology.host_wakeup_s / topology.host_cores)
         body = max(body, float(host.max()))
     return float(body), link, pack, unpack, host
 

@@ -64,8 +64,6 @@ class Topology:
                           copy and message work adds up per node (the CPU preset); None on GPUs
       host_bytes_per_s    if set, total network bytes a node can move per second in each direction,
                           all its ranks together (a host's loopback); None: the sum of its NICs
-      host_wakeup_s       with host_cores: CPU time per rank per round to schedule it (wake it, post
-                          and complete its messages), shared by the cores like the copy work
     """
 
     name: str
@@ -81,7 +79,6 @@ class Topology:
     copy_overhead_s: float = 0.0
     host_cores: int | None = None
     host_bytes_per_s: float | None = None
-    host_wakeup_s: float = 0.0
 
     def __post_init__(self) -> None:
         for f in ("gpus_per_domain", "gpus_per_node"):
@@ -93,7 +90,7 @@ class Topology:
             if not isinstance(v, (int, float)) or not v > 0:
                 raise ValueError(f"topology {self.name!r}: {f} must be a number > 0, got {v!r}")
         for f in ("net_latency_s", "nvlink_latency_s", "launch_latency_s", "message_overhead_s",
-                  "copy_overhead_s", "host_wakeup_s"):
+                  "copy_overhead_s"):
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or not v >= 0 or math.isinf(v):
                 raise ValueError(f"topology {self.name!r}: {f} must be a finite number >= 0, got {v!r}")
@@ -267,10 +264,9 @@ CPU_MEASURED = dict(
     net_latency_s=1.978e-3,  # median one-way time of a 1-byte ping-pong among 4 processes
     launch_latency_s=0.0,
     copy_bytes_per_s=7.631e9,  # reshard.local.pack + unpack, 2 KiB-row boxes, one thread
-    message_overhead_s=1.447e-5,  # 64 messages in one batch against 1
+    message_overhead_s=1.447e-5,  # per message end
     copy_overhead_s=9.872e-6,  # per box packed or unpacked
     host_cores=2,
-    host_wakeup_s=2.227e-3,  # per rank per round: 4 processes, 16 B to every other, less the above
 )
 
 
