@@ -12,8 +12,8 @@ Then, for each configuration, one gloo process group of M + N processes (TCP
 loopback; ``batch_isend_irecv`` like the executor). Section 2, ranks 0-3 only,
 the others waiting: median one-way latency of a 1-byte ping-pong; the CPU cost
 per message end, from a round in which each of the 4 sends 16 bytes to every
-other; one pair's bandwidth and two pairs' total with 64 MiB messages into fresh
-receive buffers. The machine is shared, so these are measured again, in the same
+other; one pair's bandwidth and two pairs' total with 16 messages of 2 MiB back to
+back, each into a fresh receive buffer. The machine is shared, so these are measured again, in the same
 minute, before each refit; they fill ``Topology.preset("cpu")`` (the first
 configuration's values are printed ready for ``CPU_MEASURED`` in
 ``src/reshard/topology.py``). Section 3: a real refit of a small Qwen3-shaped
@@ -116,12 +116,35 @@ def _exchange(rank: int, peer: int, tensors: list[torch.Tensor], send: bool) -> 
         w.wait()
 
 
+def rounds_back_to_back(sends: list[int], recvs: list[int], rounds: int = 20, repeat: int = 5) -> float:
+    """Collective: seconds per round of 16-byte messages to ``sends`` and from ``recvs``, ``rounds`` rounds
+    back to back as the executor runs them (median of ``repeat``; slowest rank). Rounds are not timed
+    one by one: leaving a barrier takes the processes of a crowded host milliseconds apart."""
+    sb = [torch.zeros(16, dtype=torch.uint8) for _ in sends]
+    rb = [torch.zeros(16, dtype=torch.uint8) for _ in recvs]
+    out = []
+    for _ in range(repeat):
+        dist.barrier()
+        t = time.perf_counter()
+        for _ in range(rounds):
+            ops = [dist.P2POp(dist.isend, b, p) for b, p in zip(sb, sends)]
+            ops += [dist.P2POp(dist.irecv, b, p) for b, p in zip(rb, recvs)]
+            if ops:
+                for w in dist.batch_isend_irecv(ops):
+                    w.wait()
+        dt = torch.tensor([(time.perf_counter() - t) / rounds])
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        out.append(float(dt))
+    return statistics.median(out)
+
+
 def calibrate(rank: int, nbytes: int, repeat: int) -> dict:
     """Collective over the whole group; only ranks 0-3 exchange (the others wait at the barriers).
 
     Ranks (0, 1) and (2, 3) are pairs. Measures: the median one-way time of a 1-byte ping-pong
     (0 <-> 1); the median round in which each of ranks 0-3 sends 16 bytes to and receives 16 bytes
-    from each of the 3 others; one pair's bandwidth and two pairs' total with ``nbytes`` messages.
+    from each of the 3 others, rounds back to back; one pair's bandwidth and two pairs' total with
+    16 ``nbytes`` messages back to back.
     """
     peer = rank ^ 1
     sender = rank % 2 == 0
@@ -150,34 +173,25 @@ def calibrate(rank: int, nbytes: int, repeat: int) -> dict:
     res["latency_s"] = pingpong(200)
 
     others = [r for r in range(4) if r != rank] if active else []
-    small = [torch.zeros(16, dtype=torch.uint8) for _ in range(2 * len(others))]
-    rounds = []
-    for _ in range(30):
-        dist.barrier()
-        t = time.perf_counter()
-        ops = [dist.P2POp(dist.isend, small[i], p) for i, p in enumerate(others)]
-        ops += [dist.P2POp(dist.irecv, small[len(others) + i], p) for i, p in enumerate(others)]
-        if ops:
-            for w in dist.batch_isend_irecv(ops):
-                w.wait()
-        rounds.append(collect(time.perf_counter() - t))
-    res["all_pairs_round_s"] = statistics.median(rounds)
+    res["all_pairs_round_s"] = rounds_back_to_back(others, others)
 
     big = torch.zeros(nbytes if active else 1, dtype=torch.uint8)
 
-    def stream(pairs: set[int]) -> float:
+    def stream(pairs: set[int], count: int = 16) -> float:
+        """Best of ``repeat``: ``count`` messages back to back, each into a fresh receive buffer as the
+        executor's receive staging is."""
         times = []
         for _ in range(repeat):
-            # receivers get a fresh buffer each time, as the executor's receive staging is
-            buf = big if sender else torch.empty(nbytes if active else 1, dtype=torch.uint8)
             dist.barrier()
             t = time.perf_counter()
             if rank in pairs:
-                _exchange(rank, peer, [buf], sender)
+                for _ in range(count):
+                    buf = big if sender else torch.empty(nbytes, dtype=torch.uint8)
+                    _exchange(rank, peer, [buf], sender)
             times.append(collect(time.perf_counter() - t))
-        return min(times)
+        return min(times) / count
 
-    stream({0, 1})  # warm the connection
+    stream({0, 1}, 2)  # warm the connection
     res["pair_bytes_per_s"] = nbytes / stream({0, 1})
     res["host_bytes_per_s"] = 2 * nbytes / stream({0, 1, 2, 3})
     return res
@@ -195,7 +209,7 @@ def topology_from(copies: dict, loop: dict, cores: int):
 
 
 # ------------------------------------------------------------------ section 3: real refits
-def _message_costs(rank: int, sources: list[int], dests: list[int], rounds: int = 30) -> dict:
+def _message_costs(rank: int, sources: list[int], dests: list[int]) -> dict:
     """One-way latency (ping-pong of one source and one destination) and seconds per round of 16-byte
     messages on every source -> destination pair, measured with all of this refit's processes alive:
     on a host with fewer cores than processes both depend on how many processes there are."""
@@ -211,20 +225,8 @@ def _message_costs(rank: int, sources: list[int], dests: list[int], rounds: int 
             lat.append((time.perf_counter() - t) / 2)
     one_way = torch.tensor([statistics.median(lat) if lat else 0.0])
     dist.all_reduce(one_way, op=dist.ReduceOp.MAX)
-    peers = dests if rank in sources else sources if rank in dests else []
-    bufs = [torch.zeros(16, dtype=torch.uint8) for _ in peers]
-    op = dist.isend if rank in sources else dist.irecv
-    per_round = []
-    for _ in range(rounds):
-        dist.barrier()
-        t = time.perf_counter()
-        if peers:
-            for w in dist.batch_isend_irecv([dist.P2POp(op, x, p) for x, p in zip(bufs, peers)]):
-                w.wait()
-        dt = torch.tensor([time.perf_counter() - t])
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-        per_round.append(float(dt))
-    return {"latency_s": float(one_way), "empty_round_s": statistics.median(per_round)}
+    return {"latency_s": float(one_way),
+            "empty_round_s": rounds_back_to_back(dests if rank in sources else [], sources if rank in dests else [])}
 
 
 def _refit_worker(rank: int, world: int, out_path: str, model, m: int, tp: int, dp: int, bucket: int | None,
@@ -288,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3, help="timed runs per measurement (default %(default)s)")
     ap.add_argument("--max-bucket-mb", type=float, default=8.0,
                     help="staging cap per rank in MiB (several rounds at these sizes; default %(default)s)")
-    ap.add_argument("--stream-mb", type=float, default=64.0, help="message size for loopback bandwidth (MiB)")
+    ap.add_argument("--stream-mb", type=float, default=2.0,
+                    help="message size for loopback bandwidth, 16 back to back (MiB; default %(default)s)")
     ap.add_argument("--stored", action="store_true",
                     help="model with the values stored in topology.py instead of this run's")
     args = ap.parse_args(argv)
@@ -349,9 +352,10 @@ def main(argv: list[str] | None = None) -> int:
                     f"{empty_round_model(topo, m, n) * 1e3:.2f}", f"{got['empty_round_s'] * 1e3:.2f}")
         console.print(f"  {label}: measured {', '.join(f'{s:.3f}' for s in got['seconds'])} s (verified)")
     hows = ["reshard.local.pack + unpack of 2 MiB messages of 4 KiB-row boxes, fresh staging each, 1 thread",
-            "pack + unpack of 2048 one-element boxes", f"ranks 0 -> 1, {args.stream_mb:g} MiB",
+            "pack + unpack of 2048 one-element boxes", f"ranks 0 -> 1, 16 x {args.stream_mb:g} MiB back to back",
             "0 -> 1 and 2 -> 3 at once, bytes of both (fresh receive buffers)", "0 <-> 1, half a 1-byte ping-pong, median of 200",
-            "ranks 0-3 each send 16 B to each other: (median round - latency) x cores / 24 message ends",
+            "ranks 0-3 each send 16 B to each other, 20 rounds back to back: (round - latency) x cores / 24 "
+            "message ends",
             "os.cpu_count()"]
     names = ["pack+unpack bandwidth", "per-copy overhead", "one pair's bandwidth", "host bandwidth",
              "message latency", "CPU per message end", "shared cores"]
