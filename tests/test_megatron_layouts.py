@@ -346,7 +346,8 @@ def test_dp_defaults_to_what_the_ranks_leave():
 
 
 def test_pipeline_split():
-    assert suggest_pp_layers(61, 4) == [16, 15, 15, 15] and suggest_pp_layers(62, 4) == [17, 15, 15, 15]
+    assert suggest_pp_layers(61, 4) == [16, 15, 15, 15] and suggest_pp_layers(62, 4) == [15, 16, 16, 15]
+    assert suggest_pp_layers(61, 16) == [2] + [4] * 14 + [3]  # not [16, 3, ..., 3]
     assert pipeline_split(8, 4) == [2, 2, 2, 2]
     assert pipeline_split(61, 4, [16, 15, 15, 15]) == [16, 15, 15, 15]
 

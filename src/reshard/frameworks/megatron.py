@@ -159,10 +159,24 @@ def vocab_size_with_padding(vocab: int, tp: int, divisible_by: int = 128) -> int
 
 
 def suggest_pp_layers(layers: int, pp: int) -> list[int]:
-    """A split Megatron can express with ``--decoder-first-pipeline-num-layers`` alone: every stage
-    gets ``layers // pp``, the first one the remainder too (61 layers, pp=4: [16, 15, 15, 15])."""
+    """An uneven split Megatron can express (``--decoder-first-pipeline-num-layers`` and
+    ``--decoder-last-pipeline-num-layers``; middle stages even), with the smallest biggest stage:
+
+    * the first stage takes the remainder: 61 layers, pp=4 -> [16, 15, 15, 15];
+    * or middle stages take ``ceil(layers / pp)`` and the first and last share the rest, when
+      that is better balanced: 61 layers, pp=16 -> [2, 4, ..., 4, 3] rather than [16, 3, ..., 3].
+    """
     q = layers // pp
-    return [layers - q * (pp - 1)] + [q] * (pp - 1)
+    first_takes_rest = [layers - q * (pp - 1)] + [q] * (pp - 1)
+    if pp < 3:
+        return first_takes_rest
+    m = -(-layers // pp)
+    rest = layers - m * (pp - 2)
+    if rest < 0:
+        return first_takes_rest
+    ends = [rest // 2, rest - rest // 2]
+    balanced = [ends[0]] + [m] * (pp - 2) + [ends[1]]
+    return balanced if max(balanced) < max(first_takes_rest) else first_takes_rest
 
 
 def pipeline_split(layers: int, pp: int, pp_layers: Sequence[int] | None = None) -> list[int]:

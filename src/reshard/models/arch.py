@@ -97,6 +97,10 @@ PRESETS: dict[str, Arch] = {
     "deepseek-v3": _deepseek(),
     "deepseek-v3-mtp": _deepseek(mtp_layers=1),
     "kimi-k2": _deepseek(heads=64, kv_heads=64, vocab=163840, experts=384, first_dense_layers=1),
+    # not a published model: Kimi-K2's architecture with 1024 experts of 1792, sized to the 2.4 T-parameter
+    # BF16 MoE whose refit at 1024 + 1024 GPUs has been reported (the scale-up row of `reshard simulate`)
+    "moe-2.4t": _deepseek(heads=64, kv_heads=64, vocab=163840, experts=1024, moe_intermediate=1792,
+                          first_dense_layers=1),
     "llama-3-8b": Arch("llama", 4096, 32, 128256, 32, 8, 128, 14336),
     "llama-3-70b": Arch("llama", 8192, 80, 128256, 64, 8, 128, 28672),
 }
