@@ -9,11 +9,11 @@ Section 1 (this process): bandwidth and per-box cost of ``reshard.local.pack`` a
 strided tensor-parallel boxes).
 
 Then, for each configuration, one gloo process group of M + N processes (TCP
-loopback; ``batch_isend_irecv`` like the executor). Section 2, ranks 0-3 only,
-the others waiting: median one-way latency of a 1-byte ping-pong; the CPU cost
-per message end, from a round in which each of the 4 sends 16 bytes to every
-other; one pair's bandwidth and two pairs' total with 16 messages of 2 MiB back to
-back, each into a fresh receive buffer. The machine is shared, so these are measured again, in the same
+loopback; ``batch_isend_irecv`` like the executor). Section 2: median one-way
+latency of a 1-byte ping-pong (ranks 0, 1); the CPU cost per message end, from
+rounds in which each of ranks 0-3 sends 16 bytes to every other; one pair's
+bandwidth, and the host's total with every process in a pair sending at once, 16
+messages of 2 MiB back to back, each into a fresh receive buffer. The machine is shared, so these are measured again, in the same
 minute, before each refit; they fill ``Topology.preset("cpu")`` (the first
 configuration's values are printed ready for ``CPU_MEASURED`` in
 ``src/reshard/topology.py``). Section 3: a real refit of a small Qwen3-shaped
@@ -138,13 +138,13 @@ def rounds_back_to_back(sends: list[int], recvs: list[int], rounds: int = 20, re
     return statistics.median(out)
 
 
-def calibrate(rank: int, nbytes: int, repeat: int) -> dict:
+def calibrate(rank: int, world: int, nbytes: int, repeat: int) -> dict:
     """Collective over the whole group; only ranks 0-3 exchange (the others wait at the barriers).
 
-    Ranks (0, 1) and (2, 3) are pairs. Measures: the median one-way time of a 1-byte ping-pong
+    Ranks pair up as (0, 1), (2, 3), ... Measures: the median one-way time of a 1-byte ping-pong
     (0 <-> 1); the median round in which each of ranks 0-3 sends 16 bytes to and receives 16 bytes
-    from each of the 3 others, rounds back to back; one pair's bandwidth and two pairs' total with
-    16 ``nbytes`` messages back to back.
+    from each of the 3 others, rounds back to back; one pair's bandwidth, and the total of every
+    pair sending at once (the host with all its processes busy), 16 ``nbytes`` messages back to back.
     """
     peer = rank ^ 1
     sender = rank % 2 == 0
@@ -175,7 +175,8 @@ def calibrate(rank: int, nbytes: int, repeat: int) -> dict:
     others = [r for r in range(4) if r != rank] if active else []
     res["all_pairs_round_s"] = rounds_back_to_back(others, others)
 
-    big = torch.zeros(nbytes if active else 1, dtype=torch.uint8)
+    paired = world - world % 2  # ranks (0, 1), (2, 3), ... for the host's total with every process busy
+    big = torch.zeros(nbytes if rank < paired else 1, dtype=torch.uint8)
 
     def stream(pairs: set[int], count: int = 16) -> float:
         """Best of ``repeat``: ``count`` messages back to back, each into a fresh receive buffer as the
@@ -193,7 +194,7 @@ def calibrate(rank: int, nbytes: int, repeat: int) -> dict:
 
     stream({0, 1}, 2)  # warm the connection
     res["pair_bytes_per_s"] = nbytes / stream({0, 1})
-    res["host_bytes_per_s"] = 2 * nbytes / stream({0, 1, 2, 3})
+    res["host_bytes_per_s"] = paired // 2 * nbytes / stream(set(range(paired)))
     return res
 
 
@@ -231,7 +232,7 @@ def _message_costs(rank: int, sources: list[int], dests: list[int]) -> dict:
 
 def _refit_worker(rank: int, world: int, out_path: str, model, m: int, tp: int, dp: int, bucket: int | None,
                   repeat: int, stream_bytes: int) -> None:
-    calib = calibrate(rank, stream_bytes, repeat)
+    calib = calibrate(rank, world, stream_bytes, repeat)
     lay = demo_layouts(model, m, tp, dp)
     plan = rs.plan(lay.source, lay.destination, max_bucket_bytes=bucket)
     src = verify.fill_source(lay.source, rank) if rank in lay.source_ranks else {}
@@ -353,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"  {label}: measured {', '.join(f'{s:.3f}' for s in got['seconds'])} s (verified)")
     hows = ["reshard.local.pack + unpack of 2 MiB messages of 4 KiB-row boxes, fresh staging each, 1 thread",
             "pack + unpack of 2048 one-element boxes", f"ranks 0 -> 1, 16 x {args.stream_mb:g} MiB back to back",
-            "0 -> 1 and 2 -> 3 at once, bytes of both (fresh receive buffers)", "0 <-> 1, half a 1-byte ping-pong, median of 200",
+            "every process in a pair (0 -> 1, 2 -> 3, ...), all at once, total bytes (fresh receive buffers)", "0 <-> 1, half a 1-byte ping-pong, median of 200",
             "ranks 0-3 each send 16 B to each other, 20 rounds back to back: (round - latency) x cores / 24 "
             "message ends",
             "os.cpu_count()"]
