@@ -37,9 +37,9 @@ import torch
 from .gc_pause import without_gc
 from .intersect import FANOUT, LOCAL, REMOTE, TensorItems, tensor_items
 from .layout import Layout, LayoutError, dtype_class
-from .schedule import ALIGN, Copy, Message, chunk_stream, pair_quota
+from .schedule import ALIGN, Copy, Message, chunk_stream, pair_quotas
 
-PLAN_FORMAT = 1
+PLAN_FORMAT = 2  # 2: staging quotas in proportion to each stream's bytes
 
 
 @dataclass(eq=False)
@@ -435,6 +435,30 @@ class Plan:
             streams[d] += 1
         return dict(streams)
 
+    @cached_property
+    def _quotas(self) -> dict[tuple[int, int], int | None]:
+        """Per-round staging quota of every (source, destination) stream (:func:`~reshard.schedule.pair_quotas`),
+        from its payload plus at most ``ALIGN - 1`` bytes of padding per copy."""
+        copies = self._pair_copies
+        return pair_quotas({p: b + (ALIGN - 1) * copies[p] for p, b in self.pair_bytes.items()}, self.max_bucket_bytes)
+
+    @cached_property
+    def _pair_copies(self) -> dict[tuple[int, int], int]:
+        """Copies from rank s to rank d (before any split into rounds), ``{(s, d): count}``."""
+        out: dict[tuple[int, int], int] = defaultdict(int)
+        for g in self._groups:
+            n = len(g.tensors)
+            fixed = np.flatnonzero((g.items.kind == REMOTE) & (g.choice_of < 0))
+            for key in zip(g.rank[fixed].tolist(), g.dst_rank[fixed].tolist()):
+                out[key] += n
+            if len(g.choice_cols):
+                width = int(max(g.choice_rank.max(), g.dst_rank.max())) + 1
+                codes = g.choice_rank * width + g.dst_rank[g.choice_cols][None, :]
+                keys, counts = np.unique(codes, return_counts=True)
+                for k, c in zip(keys.tolist(), counts.tolist()):
+                    out[(k // width, k % width)] += c
+        return dict(out)
+
     @property
     def min_bucket_bytes(self) -> int:
         """Smallest ``max_bucket_bytes`` this plan's layouts allow (one aligned element per stream)."""
@@ -536,10 +560,10 @@ class Plan:
             cut = np.flatnonzero((s_[1:] != s_[:-1]) | (d_[1:] != d_[:-1])) + 1
             bounds = [0, *cut.tolist(), len(order)]
             order = order.tolist()
-            per_rank = self._streams if self.max_bucket_bytes is not None else {}  # no cap: one round
+            quotas = self._quotas if self.max_bucket_bytes is not None else {}  # no cap: one round
             for a, b in zip(bounds[:-1], bounds[1:]):
                 s, d = int(s_[a]), int(d_[a])
-                quota = pair_quota(self.max_bucket_bytes, per_rank.get(s, 1), per_rank.get(d, 1))
+                quota = quotas.get((s, d))
                 for j, chunk in enumerate(chunk_stream([all_copies[x] for x in order[a:b]], quota)):
                     (out.sends if s == rank else out.recvs).append(Message(d if s == rank else s, j, chunk))
         out.sends.sort(key=lambda m: (m.round, m.peer))

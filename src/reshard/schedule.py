@@ -1,12 +1,18 @@
 """Messages and rounds: how a rank's copies become bounded, packed transfers.
 
 All copies from rank ``s`` to rank ``d`` form one ordered stream. With a staging
-cap ``B`` (``max_bucket_bytes``), every pair gets a per-round quota
-``q = B // max(streams(s), streams(d))`` (rounded down to :data:`ALIGN`), where
-``streams(x)`` counts the ranks ``x`` sends to plus the ranks it receives from. The stream is cut into chunks of at most ``q`` bytes
+cap ``B`` (``max_bucket_bytes``), every stream gets a per-round quota in proportion to
+its size (:func:`pair_quotas`)::
+
+    q(s, d) = max(ALIGN, (B - ALIGN * max(n_s, n_d)) * A(s, d) / max(T_s, T_d))   rounded down to ALIGN
+
+where ``A`` is the stream's staged bytes (payload plus alignment), ``T_x`` the sum of ``A``
+over the streams of rank ``x`` and ``n_x`` their number (ranks ``x`` sends to plus ranks it
+receives from). All streams of the busiest rank then end in the same round (about
+``T / B`` rounds) instead of its big streams dragging on alone, and a rank stages at most
+``sum(q) <= B`` bytes per round. The stream is cut into chunks of at most ``q`` bytes
 (a copy bigger than what is left is split along its outer rows) and chunk ``j``
-travels in round ``j``. A rank then stages at most ``sum(q) <= B`` bytes per round,
-and both ends compute the same chunks from the same stream without talking.
+travels in round ``j``; both ends compute the same chunks from the same figures.
 
 Inside a message each copy starts at a multiple of :data:`ALIGN` bytes so that
 the staging bytes can be viewed as any dtype.
@@ -16,8 +22,9 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Mapping, NamedTuple
 
 import torch
 
@@ -121,6 +128,29 @@ def chunk_stream(copies: list[Copy], quota: int | None) -> list[list[Copy]]:
     if cur:
         chunks.append(cur)
     return chunks
+
+
+def pair_quotas(staged: Mapping[tuple[int, int], int], max_bucket_bytes: int | None
+                ) -> dict[tuple[int, int], int | None]:
+    """Per-round quota of every stream ``{(src, dst): staged bytes}`` (see module doc); ``None``: unbounded.
+
+    >>> pair_quotas({(0, 2): 3000, (1, 2): 1000}, 1024)    # rank 2 takes 3/4 and 1/4 per round
+    {(0, 2): 736, (1, 2): 240}
+    """
+    if max_bucket_bytes is None:
+        return {p: None for p in staged}
+    load: dict[int, int] = defaultdict(int)
+    count: dict[int, int] = defaultdict(int)
+    for (s, d), a in staged.items():
+        for x in (s, d):
+            load[x] += a
+            count[x] += 1
+    out = {}
+    for (s, d), a in staged.items():
+        room = max_bucket_bytes - ALIGN * max(count[s], count[d])
+        share = room * a // max(load[s], load[d], 1)
+        out[(s, d)] = max(ALIGN, share - share % ALIGN)
+    return out
 
 
 def pair_quota(max_bucket_bytes: int | None, streams_of_src: int, streams_of_dst: int) -> int | None:
