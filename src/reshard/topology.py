@@ -256,16 +256,17 @@ def _read_value(key: str, raw):
 
 # The "cpu" preset: this machine (2 cores, shared with other jobs), every rank a process, gloo over TCP
 # loopback. Each rank is its own "domain" (no NVLink); all ranks share one host, its cores and its loopback.
-# Measured by `make bench-cost` (python benchmarks/bench_cost.py) on 2026-11-29; it prints fresh values for
-# the machine it runs on (they move by large factors when other jobs take the cores: rerun, do not trust).
+# Measured by `make bench-cost` (python benchmarks/bench_cost.py) on 2026-11-29 (its 4 -> 4 process group);
+# it prints fresh values for the machine it runs on (they move by large factors when other jobs take the
+# cores: rerun rather than trust these).
 CPU_MEASURED = dict(
-    nic_bytes_per_s=2.138e9,  # one pair, 64 MiB messages
-    host_bytes_per_s=2.24e9,  # two pairs at once, both pairs' bytes
-    net_latency_s=1.978e-3,  # median one-way time of a 1-byte ping-pong among 4 processes
+    nic_bytes_per_s=8.983e8,  # one pair, 16 x 2 MiB messages back to back into fresh receive buffers
+    host_bytes_per_s=1.548e9,  # every process of the group in a pair, all at once, total
+    net_latency_s=1.543e-3,  # median one-way time of a 1-byte ping-pong
     launch_latency_s=0.0,
-    copy_bytes_per_s=7.631e9,  # reshard.local.pack + unpack, 2 KiB-row boxes, one thread
-    message_overhead_s=1.447e-5,  # per message end
-    copy_overhead_s=9.872e-6,  # per box packed or unpacked
+    copy_bytes_per_s=7.716e9,  # reshard.local.pack + unpack, 2 MiB messages, fresh staging, one thread
+    message_overhead_s=2.107e-4,  # CPU per message end: 4 processes messaging each other, back to back
+    copy_overhead_s=8.75e-6,  # per box packed or unpacked
     host_cores=2,
 )
 
