@@ -161,6 +161,20 @@ def _one_itemsize(buffers: tuple[str, ...], dtypes: Mapping[str, torch.dtype | N
     return None if dt is None else dt.itemsize
 
 
+def _items_key(st, dt) -> bytes:
+    """What :func:`~reshard.intersect.tensor_items` depends on: the boxes of both sides, the
+    destination ranks, which source pieces share a rank, and where source ranks are also
+    destination ranks; not the source rank numbers themselves (expert-parallel groups of
+    every pipeline stage plan alike)."""
+    _, src_rank_ids = np.unique(st.ranks, return_inverse=True)
+    dst_ranks = np.unique(dt.ranks)
+    at = np.searchsorted(dst_ranks, st.ranks)
+    at = np.minimum(at, max(len(dst_ranks) - 1, 0))
+    local = np.where((dst_ranks[at] == st.ranks) if len(dst_ranks) else np.zeros(len(st.ranks), bool), at, -1)
+    return b"|".join([np.array(st.offsets.shape, np.int64).tobytes(), st.offsets.tobytes(), st.sizes.tobytes(),
+                      src_rank_ids.astype(np.int64).tobytes(), local.astype(np.int64).tobytes(), dt.geometry_key()])
+
+
 def _row_tuples(a: np.ndarray) -> list[tuple[int, ...]]:
     """Rows of a 2-D int array as tuples (column-wise ``tolist`` + ``zip``: the fast way)."""
     if a.shape[1] == 0:
@@ -200,10 +214,14 @@ class Plan:
         position = {n: i for i, n in enumerate(self.tensors)}
         buffer_dtypes = destination._dtype_by_name()
         self._groups: list[_Group] = []
+        same_boxes: dict[bytes, TensorItems] = {}
         for names in keyed.values():
             first = names[0]
             st, dt = source.tables[first], destination.tables[first]
-            items = tensor_items(first, st, dt)
+            key = _items_key(st, dt)  # geometries that differ only in which ranks hold the source
+            items = same_boxes.get(key)
+            if items is None:
+                items = same_boxes[key] = tensor_items(first, st, dt)
             volume = items.sizes.prod(axis=1) if len(items) else np.zeros(0, np.int64)
             if destination.single_dtype is not None:  # the common case: one itemsize everywhere
                 isz = np.full((1, len(dt)), destination.single_dtype.itemsize, np.int64)
