@@ -44,7 +44,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from .schedule import pair_quota
+from . import schedule
 from .topology import Placement, Topology
 
 #: link kinds, in the order of the ``bytes``/``messages`` arrays
@@ -153,17 +153,24 @@ def _link_kind(placement: Placement, src: np.ndarray, dst: np.ndarray) -> tuple[
     return gs, gd, kind
 
 
+def _staging_quotas(pairs: PairBytes, max_bucket_bytes: int) -> dict[tuple[int, int], int | None]:
+    """Per-round quota of each pair under the planner's rule (:func:`reshard.schedule.pair_quotas`), from
+    payload bytes alone (the planner also counts each copy's alignment padding, unknown here)."""
+    return schedule.pair_quotas({p: int(b) for p, b in pairs.items()}, max_bucket_bytes)
+
+
 def traffic_from_pairs(phases: Sequence[PairBytes], placement: Placement, topology: Topology | None = None, *,
                        names: Sequence[str] | None = None, max_bucket_bytes: int | None = None,
-                       rounds: Sequence[int | None] | int | None = None) -> Traffic:
+                       rounds: Sequence[int | None] | int | None = None,
+                       quotas: Sequence[Mapping[tuple[int, int], int] | None] | None = None) -> Traffic:
     """Link load of a refit given as phases of ``{(src_rank, dst_rank): bytes}`` (``Plan.pair_bytes``).
 
-    Rounds, per phase: with ``max_bucket_bytes``, each pair's bytes are cut into rounds of
-    its staging quota as :mod:`reshard.schedule` does (``pair_quota``: the cap over the
-    busier end's number of peers, counted in that phase), so pair (s, d) sends
-    ``ceil(bytes / quota)`` messages; with ``rounds=R`` each pair's bytes are spread evenly
-    over R rounds; else one round. Pairs on one GPU become local copies. Copy counts stay
-    0 (unknown here; :func:`traffic_from_plan` has them).
+    Rounds, per phase: with ``quotas`` (per phase, ``{(s, d): bytes per round}``, e.g. the
+    planner's own), or with ``max_bucket_bytes`` and the planner's quota rule applied to the
+    phase's pairs, pair (s, d) sends ``ceil(bytes / quota)`` messages, one per round; with
+    ``rounds=R`` each pair's bytes are spread evenly over R rounds; else one round. Pairs on
+    one GPU become local copies. Copy counts stay 0 (unknown here; :func:`traffic_from_plan`
+    has them).
 
     >>> from reshard.topology import Placement, Topology
     >>> place = Placement.contiguous(Topology.preset("dgx-h100"), 2, 2, infer_start="domain")
@@ -179,19 +186,22 @@ def traffic_from_pairs(phases: Sequence[PairBytes], placement: Placement, topolo
     if len(names) != len(phases):
         raise ValueError(f"{len(names)} names for {len(phases)} phases")
     per_phase_rounds = [rounds] * len(phases) if rounds is None or isinstance(rounds, int) else list(rounds)
-    if len(per_phase_rounds) != len(phases):
-        raise ValueError(f"{len(per_phase_rounds)} round counts for {len(phases)} phases")
+    per_phase_quotas = [None] * len(phases) if quotas is None else list(quotas)
+    if len(per_phase_rounds) != len(phases) or len(per_phase_quotas) != len(phases):
+        raise ValueError(f"{len(phases)} phases but {len(per_phase_rounds)} round counts / "
+                         f"{len(per_phase_quotas)} quota maps")
     G = placement.num_gpus
     out = []
-    for name, pairs, r in zip(names, phases, per_phase_rounds):
+    for name, pairs, r, given in zip(names, phases, per_phase_rounds, per_phase_quotas):
         s, d, b = _pairs_arrays(pairs)
         gs, gd, kind = _link_kind(placement, s, d)
         quota = None
-        if max_bucket_bytes is not None and r is None:
-            # as the planner counts them: every pair of distinct ranks is a stream, same GPU or not
-            streams = np.bincount(np.concatenate([s, d]), minlength=placement.num_ranks)
-            quota = np.array([pair_quota(max_bucket_bytes, int(streams[a]), int(streams[c]))
+        if r is None and (given is not None or max_bucket_bytes is not None):
+            q = given if given is not None else _staging_quotas(
+                {(a, c): v for a, c, v in zip(s.tolist(), d.tolist(), b.tolist())}, max_bucket_bytes)
+            quota = np.array([q[(a, c)] if q.get((a, c)) is not None else np.inf
                               for a, c in zip(s.tolist(), d.tolist())], np.float64)
+            quota = np.where(np.isinf(quota), np.maximum(b, 1), quota)  # unbounded: one chunk
             if (quota <= 0).any():
                 raise ValueError(f"max_bucket_bytes={max_bucket_bytes} leaves no room for some pair's messages")
             R = int(np.ceil(b / quota).max()) if len(b) else 1
