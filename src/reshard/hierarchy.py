@@ -34,7 +34,7 @@ from typing import Mapping
 import numpy as np
 
 from .gc_pause import without_gc
-from .layout import Layout, PieceTable, itemsize
+from .layout import Layout, PieceTable, Repeated, itemsize
 from .plan import Plan
 
 AUTO = "auto"
@@ -146,7 +146,7 @@ def _subset(t: PieceTable, rows: np.ndarray, shared: tuple[np.ndarray, ...]) -> 
     """``t`` restricted to ``rows`` (whose ranks/offsets/sizes are ``shared``)."""
     bufs = t.buffers
     if bufs and bufs.count(bufs[0]) == len(bufs):
-        names = (bufs[0],) * len(rows)
+        names = Repeated(bufs[0], len(rows))
     else:
         names = tuple(bufs[r] for r in rows.tolist())
     return PieceTable(*shared, names, t.buffer_offsets[rows])

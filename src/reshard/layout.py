@@ -17,8 +17,9 @@ Everything here is pure data: no process group, no device.
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections import defaultdict
+from collections import abc, defaultdict
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Iterable, Mapping, NamedTuple, Sequence
@@ -55,9 +56,12 @@ class TensorSpec:
     dtype: torch.dtype
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
-        if any(s < 0 for s in self.shape):
-            raise LayoutError(f"tensor {self.name!r}: negative size in shape {self.shape}")
+        shape = self.shape
+        if type(shape) is not tuple or not all(type(s) is int and s >= 0 for s in shape):
+            shape = tuple(int(s) for s in shape)
+            object.__setattr__(self, "shape", shape)
+            if any(s < 0 for s in shape):
+                raise LayoutError(f"tensor {self.name!r}: negative size in shape {shape}")
 
     @property
     def numel(self) -> int:
@@ -84,6 +88,52 @@ def box_str(offsets: Sequence[int], sizes: Sequence[int]) -> str:
     return "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(offsets, sizes)) + "]"
 
 
+class Repeated(abc.Sequence):
+    """``n`` copies of one buffer name without ``n`` references (a tensor's pieces on many ranks
+    usually all live in the buffer of one name): ``Repeated("w", 3) == ("w", "w", "w")``."""
+
+    __slots__ = ("name", "n")
+
+    def __init__(self, name: str, n: int) -> None:
+        self.name, self.n = name, int(n)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return (self.name,) * len(range(*i.indices(self.n)))
+        if not -self.n <= i < self.n:
+            raise IndexError(i)
+        return self.name
+
+    def __iter__(self):
+        return itertools.repeat(self.name, self.n)
+
+    def count(self, value) -> int:
+        return self.n if value == self.name else 0
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (tuple, Repeated)):
+            return len(other) == self.n and all(x == self.name for x in other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __add__(self, other):
+        return tuple(self) + tuple(other)
+
+    def __radd__(self, other):
+        return tuple(other) + tuple(self)
+
+    def __repr__(self) -> str:
+        return f"({self.name!r},) * {self.n}"
+
+    def __reduce__(self):
+        return (Repeated, (self.name, self.n))
+
+
 @dataclass(eq=False, slots=True)
 class PieceTable:
     """All pieces of one tensor in one layout, as numpy arrays (row i = piece i); treat as read-only
@@ -92,7 +142,7 @@ class PieceTable:
     ranks: np.ndarray  # int64 [k]
     offsets: np.ndarray  # int64 [k, ndim]
     sizes: np.ndarray  # int64 [k, ndim]
-    buffers: tuple[str, ...]  # k buffer names
+    buffers: Sequence[str]  # k buffer names (a tuple, or Repeated when all are one)
     buffer_offsets: np.ndarray  # int64 [k, buffer_ndim]
     _geometry: bytes | None = field(default=None, repr=False)
 

@@ -86,7 +86,7 @@ import numpy as np
 import torch
 
 from ..gc_pause import without_gc
-from ..layout import Layout, LayoutError, PieceTable
+from ..layout import Layout, LayoutError, PieceTable, Repeated
 from . import framework_layout
 from ..models.arch import Arch, model_specs
 
@@ -534,7 +534,7 @@ def megatron_layout(
     for name, lst in parts.items():
         if len(lst) == 1:
             (r, o, s, b), buf = lst[0]
-            tables[name] = PieceTable(r, o, s, (buf,) * len(r), b)
+            tables[name] = PieceTable(r, o, s, Repeated(buf, len(r)), b)
         else:
             tables[name] = PieceTable(np.concatenate([x[0][0] for x in lst]), np.concatenate([x[0][1] for x in lst]),
                                       np.concatenate([x[0][2] for x in lst]),

@@ -64,7 +64,7 @@ import torch
 
 from . import engine_ranks
 from ..gc_pause import without_gc
-from ..layout import Layout, LayoutError, PieceTable, TensorSpec
+from ..layout import Layout, LayoutError, PieceTable, Repeated, TensorSpec
 from . import framework_layout
 from ..models.arch import Arch, model_specs
 
@@ -260,7 +260,7 @@ class _Builder:
     # ------------------------------------------------------------------ geometries
     def _put(self, spec: TensorSpec, buffer: str, geom: tuple[np.ndarray, ...]) -> None:
         ranks, offsets, sizes, boffs = geom
-        self.tables[spec.name] = PieceTable(ranks, offsets, sizes, (buffer,) * len(ranks), boffs)
+        self.tables[spec.name] = PieceTable(ranks, offsets, sizes, Repeated(buffer, len(ranks)), boffs)
 
     def _replicated(self, shape: tuple[int, ...], row: int = 0) -> tuple[np.ndarray, ...]:
         key = ("rep", shape, row)
