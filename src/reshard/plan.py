@@ -454,9 +454,9 @@ class Plan:
         return dict(streams)
 
     @cached_property
-    def _quotas(self) -> dict[tuple[int, int], int | None]:
+    def quotas(self) -> dict[tuple[int, int], int | None]:
         """Per-round staging quota of every (source, destination) stream (:func:`~reshard.schedule.pair_quotas`),
-        from its payload plus at most ``ALIGN - 1`` bytes of padding per copy."""
+        from its payload plus at most ``ALIGN - 1`` bytes of padding per copy; ``None`` without a cap."""
         copies = self._pair_copies
         return pair_quotas({p: b + (ALIGN - 1) * copies[p] for p, b in self.pair_bytes.items()}, self.max_bucket_bytes)
 
@@ -578,7 +578,7 @@ class Plan:
             cut = np.flatnonzero((s_[1:] != s_[:-1]) | (d_[1:] != d_[:-1])) + 1
             bounds = [0, *cut.tolist(), len(order)]
             order = order.tolist()
-            quotas = self._quotas if self.max_bucket_bytes is not None else {}  # no cap: one round
+            quotas = self.quotas if self.max_bucket_bytes is not None else {}  # no cap: one round
             for a, b in zip(bounds[:-1], bounds[1:]):
                 s, d = int(s_[a]), int(d_[a])
                 quota = quotas.get((s, d))

@@ -151,15 +151,3 @@ def pair_quotas(staged: Mapping[tuple[int, int], int], max_bucket_bytes: int | N
         share = room * a // max(load[s], load[d], 1)
         out[(s, d)] = max(ALIGN, share - share % ALIGN)
     return out
-
-
-def pair_quota(max_bucket_bytes: int | None, streams_of_src: int, streams_of_dst: int) -> int | None:
-    """Per-round byte quota of one pair (see module doc); ``None`` means unbounded.
-
-    ``streams_of_x`` counts the messages rank ``x`` stages per round (sends plus receives),
-    so each rank's quotas add up to at most ``max_bucket_bytes``.
-    """
-    if max_bucket_bytes is None:
-        return None
-    q = max_bucket_bytes // max(streams_of_src, streams_of_dst, 1)
-    return q - q % ALIGN
