@@ -140,3 +140,21 @@ def test_domains_must_name_every_rank():
 def test_masks_helper_agrees_with_numpy():
     m = _union_mask((4, 4), [rs.Piece("w", (0, 0), (2, 2), "b", (0, 0), 0)])
     assert int(np.sum(m)) == 4
+
+
+def test_boxes_more_domains_need_than_sources_hold_are_relayed_between_domains():
+    """An LM head on 2 training ranks, needed whole by 6 one-rank inference domains: the sources
+    send it twice (to 2 seed domains), the seeds forward it to the other 4 over the network."""
+    spec = rs.TensorSpec("lm_head.weight", (32, 8), torch.bfloat16)
+    src = rs.Layout.from_placements(spec, [0, 1], (2,), [rs.Replicate()])
+    dst = rs.Layout.from_placements(spec, list(range(2, 8)), (6,), [rs.Replicate()])
+    domains = {0: 0, 1: 1, **{r: r for r in range(2, 8)}}
+    h = hierarchical_plan(src, dst, domains, split_bytes=None)
+    assert h.relay is not None and h.phase_names == ["network", "relay", "NVLink forward"]
+    assert h.network.send_bytes == {0: spec.nbytes, 1: spec.nbytes}
+    assert h.relay.wire_bytes == 4 * spec.nbytes
+    assert h.cross_domain_bytes == {d: spec.nbytes for d in range(2, 8)}
+    case = S.Case(None, src, dst, S.full_tensors([spec]))
+    assert_exact(case, run(case, h))
+    flat = hierarchical_plan(src, dst, domains, split_bytes=None, relay=False)
+    assert flat.relay is None and max(flat.network.send_bytes.values()) == 3 * spec.nbytes

@@ -121,8 +121,8 @@ class ReshardExecutor:
 
 
 class HierarchicalExecutor:
-    """Runs a :class:`~reshard.hierarchy.HierarchicalPlan`: its network phase, then its NVLink
-    forward phase, which reads the destination buffers the first phase filled.
+    """Runs a :class:`~reshard.hierarchy.HierarchicalPlan`: its network phase, then its relay and
+    NVLink forward phases, which read the destination buffers the earlier phases filled.
 
     Every rank of ``group`` constructs one and calls :meth:`run`, like :class:`ReshardExecutor`.
     """
@@ -133,8 +133,8 @@ class HierarchicalExecutor:
 
     def run(self, src_buffers: Buffers, dst_buffers: Buffers) -> list[RunStats]:
         """Move the bytes (per-phase stats); ``dst_buffers`` are written in place."""
-        network, forward = self.phases
-        return [network.run(src_buffers, dst_buffers), forward.run(dst_buffers, dst_buffers)]
+        first, *later = self.phases
+        return [first.run(src_buffers, dst_buffers)] + [p.run(dst_buffers, dst_buffers) for p in later]
 
 
 def device_of(*groups: Buffers) -> torch.device:

@@ -42,15 +42,21 @@ AUTO = "auto"
 
 @dataclass
 class HierarchicalPlan:
-    """The two phases of a domain-aware refit, and the figures a cost model needs."""
+    """The phases of a domain-aware refit, and the figures a cost model needs."""
 
-    network: Plan  # phase 1: sources -> one receiver per (domain, box)
-    forward: Plan  # phase 2: receivers -> the other ranks of their domain
+    network: Plan  # sources -> one receiver per (domain, box) (the seeds, when there is a relay)
+    forward: Plan  # receivers -> the other ranks of their domain, over NVLink
     domains: dict[int, int]
+    relay: Plan | None = None  # seeds -> receivers of other domains, over the network
 
     @property
     def phases(self) -> list[Plan]:
-        return [self.network, self.forward]
+        """In order: the first reads the source buffers, the others the destination buffers."""
+        return [self.network] + ([self.relay] if self.relay is not None else []) + [self.forward]
+
+    @property
+    def phase_names(self) -> list[str]:
+        return ["network"] + (["relay"] if self.relay is not None else []) + ["NVLink forward"]
 
     @property
     def phase_pair_bytes(self) -> list[dict[tuple[int, int], int]]:
@@ -72,11 +78,12 @@ class HierarchicalPlan:
         return sum(p.wire_bytes for p in self.phases)
 
     def fingerprint(self) -> str:
-        return self.network.fingerprint() + self.forward.fingerprint()
+        return "".join(p.fingerprint() for p in self.phases)
 
     def summary(self) -> dict:
-        return {"network": self.network.summary(), "forward": self.forward.summary(),
-                "cross_domain_bytes": sum(self.cross_domain_bytes.values())}
+        out = {name: p.summary() for name, p in zip(self.phase_names, self.phases)}
+        out["cross_domain_bytes"] = sum(self.cross_domain_bytes.values())
+        return out
 
 
 def domain_need_bytes(destination: Layout, domains: Mapping[int, int]) -> dict[int, int]:
@@ -103,12 +110,14 @@ def domain_need_bytes(destination: Layout, domains: Mapping[int, int]) -> dict[i
 
 @without_gc
 def hierarchical_plan(source: Layout, destination: Layout, domains: Mapping[int, int], *,
-                      max_bucket_bytes: int | None = None, split_bytes: int | str | None = AUTO
-                      ) -> HierarchicalPlan:
-    """Plan a refit in two phases over NVLink ``domains`` (``{rank: domain}``, every rank of both sides).
+                      max_bucket_bytes: int | None = None, split_bytes: int | str | None = AUTO,
+                      relay: bool = True) -> HierarchicalPlan:
+    """Plan a refit in phases over NVLink ``domains`` (``{rank: domain}``, every rank of both sides).
 
     ``split_bytes``: boxes at least this big with several source replicas are split across them
-    (``"auto"``: 1/8 of the mean bytes per source rank; ``None``: never).
+    (``"auto"``: 1/8 of the mean bytes per source rank; ``None``: never). ``relay``: boxes that
+    more domains need than there are source copies go to as many *seed* domains as there are
+    copies, and from the seeds' receivers to the other domains' (see :func:`split_relays`).
     """
     domains = {int(r): int(d) for r, d in domains.items()}
     receivers, rest = split_receivers(destination, domains)
@@ -118,9 +127,11 @@ def hierarchical_plan(source: Layout, destination: Layout, domains: Mapping[int,
         split_bytes = max(total // (8 * max(len(source.ranks), 1)), 1)
     if split_bytes is not None:
         receivers = split_across_replicas(receivers, source, int(split_bytes))
-    network = Plan(source, receivers, max_bucket_bytes=max_bucket_bytes, domains=domains)
+    seeds, relayed = split_relays(receivers, source, domains) if relay else (receivers, None)
+    network = Plan(source, seeds, max_bucket_bytes=max_bucket_bytes, domains=domains)
+    relay_plan = None if relayed is None else Plan(seeds, relayed, max_bucket_bytes=max_bucket_bytes, domains=domains)
     forward = Plan(receivers, rest, max_bucket_bytes=max_bucket_bytes, domains=domains)
-    return HierarchicalPlan(network, forward, domains)
+    return HierarchicalPlan(network, forward, domains, relay_plan)
 
 
 def _domain_lookup(domains: Mapping[int, int], ranks: list[int]) -> np.ndarray:
@@ -256,3 +267,63 @@ def split_across_replicas(receivers: Layout, source: Layout, split_bytes: int) -
                 boffs[j, lead + d] += a
         tables[name] = PieceTable(t.ranks[idx], offsets, sizes, tuple(t.buffers[i] for i in idx.tolist()), boffs)
     return Layout(receivers.specs, tables, {r: receivers.buffers(r) for r in ranks}, validate=False)
+
+
+def _relay_rows(t: PieceTable, st: PieceTable, dom: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """(seed rows, relayed rows) of one receivers table, or None when no box needs a relay."""
+    copies = len(st) // max(len(np.unique(np.concatenate([st.offsets, st.sizes], axis=1), axis=0)), 1)
+    if len(t) <= copies:
+        return None
+    boxes = np.concatenate([t.offsets, t.sizes], axis=1)
+    _, inv, counts = np.unique(boxes, axis=0, return_inverse=True, return_counts=True)
+    inv = inv.reshape(-1)
+    # a domain holding any source piece of the tensor fetches directly: no byte it holds crosses the network
+    holds = np.isin(dom[t.ranks], dom[st.ranks])
+    relayed = np.zeros(len(t), bool)
+    for b in np.flatnonzero(counts > copies).tolist():
+        members = np.flatnonzero((inv == b) & ~holds)
+        extra = max(copies - int(((inv == b) & holds).sum()), 0)  # seeds besides the domains that fetch anyway
+        c = len(members)
+        if c <= extra:
+            continue
+        members = members[np.argsort(dom[t.ranks[members]], kind="stable")]
+        seeds = (np.arange(extra) * c // max(extra, 1) + b) % c  # spread over the domains, rotated per box
+        relayed[members] = True
+        relayed[members[seeds]] = False
+    if not relayed.any():
+        return None
+    return np.flatnonzero(~relayed), np.flatnonzero(relayed)
+
+
+def split_relays(receivers: Layout, source: Layout, domains: Mapping[int, int]) -> tuple[Layout, Layout | None]:
+    """(seeds, relayed): receivers of boxes that more domains need than the sources hold copies of
+    are cut into as many seeds as there are copies and the rest, which take the box from a seed
+    over the network instead of from a source (a training stage holding the LM head on 64 ranks
+    then sends it 64 times, not once per inference domain). ``relayed`` is None when no box needs it.
+    """
+    ranks = receivers.ranks
+    dom = _domain_lookup(domains, ranks)
+    seeds: dict[str, PieceTable] = {}
+    relayed: dict[str, PieceTable] = {}
+    cache: dict[tuple, tuple | None] = {}
+    empty = np.zeros(0, np.int64)
+    for name, t in receivers.tables.items():
+        st = source.tables.get(name)
+        hit = None
+        if len(t) and st is not None and len(st):
+            key = (id(t.ranks), id(t.offsets), id(t.sizes), id(st.offsets), id(st.sizes), len(st))
+            if key not in cache:  # every table stays alive while this runs: ids are unique
+                rows = _relay_rows(t, st, dom)
+                cache[key] = None if rows is None else (rows[0], _rows_of(t, rows[0]), rows[1], _rows_of(t, rows[1]))
+            hit = cache[key]
+        if hit is None:
+            seeds[name] = t
+            relayed[name] = _subset(t, empty, _rows_of(t, empty))
+        else:
+            seeds[name] = _subset(t, hit[0], hit[1])
+            relayed[name] = _subset(t, hit[2], hit[3])
+    if all(not len(t) for t in relayed.values()):
+        return receivers, None
+    buffers = {r: receivers.buffers(r) for r in ranks}
+    return (Layout(receivers.specs, seeds, buffers, validate=False),
+            Layout(receivers.specs, relayed, buffers, validate=False))

@@ -64,12 +64,13 @@ def run_local(plan: Plan, src_buffers: Mapping[int, Buffers], dst_buffers: Mappi
 
     ``src_buffers[rank]`` / ``dst_buffers[rank]`` are ``{buffer_name: Tensor}``;
     destination tensors are written in place. A :class:`~reshard.hierarchy.HierarchicalPlan`
-    runs its network phase, then its forward phase from the destination buffers.
+    runs its network phase, then its later phases from the destination buffers.
     """
     phases = getattr(plan, "phases", None)
     if phases is not None:
         run_local(phases[0], src_buffers, dst_buffers)
-        run_local(phases[1], dst_buffers, dst_buffers)
+        for p in phases[1:]:
+            run_local(p, dst_buffers, dst_buffers)
         return
     ranks = sorted(set(plan.source.ranks) | set(plan.destination.ranks))
     parts = {r: plan.for_rank(r) for r in ranks}

@@ -139,7 +139,7 @@ def simulate_case(case: Case, *, max_bucket_bytes: int = GiB, gather_bucket_byte
     direct = Plan(refit.source, refit.destination)
     hier = hierarchical_plan(refit.source, refit.destination, domains)
     plan_s = time.perf_counter() - t0
-    tr_h = traffic_from_pairs(hier.phase_pair_bytes, placement, topo, names=["network", "NVLink forward"],
+    tr_h = traffic_from_pairs(hier.phase_pair_bytes, placement, topo, names=hier.phase_names,
                               max_bucket_bytes=max_bucket_bytes)
     tr_d = traffic_from_pairs([direct.pair_bytes], placement, topo, max_bucket_bytes=max_bucket_bytes)
     est_h = model_time(tr_h, topo, method="reshard hierarchical")
