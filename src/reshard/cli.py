@@ -239,7 +239,8 @@ def _plan_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="DIR", default=None,
                    help="also write two PNGs to DIR: bytes per (source, destination) rank pair as a heat map, and "
                         "each GPU's load on NIC out/in and NVLink out/in (seconds at link bandwidth) with the "
-                        "bottleneck marked; prints their paths and the modeled refit time on --topology")
+                        "bottleneck marked, for the refit reshard runs on --topology (over NVLink domains: "
+                        "network once per domain, then NVLink); prints their paths and the modeled time")
     p.add_argument("--topology", metavar="NAME_OR_FILE", default="dgx-h100",
                    help="machine for --plot: a preset (dgx-h100, gb200-nvl72, cpu) or a .json/.yaml file of "
                         "Topology fields (see docs/cost_model.md); training ranks go on GPUs 0..M-1, inference "
@@ -276,7 +277,16 @@ def _plan(args) -> int:
             console.print(f"reshard plan: --topology: {e}", style="red", highlight=False)
             return 2
         place = Placement.contiguous(topo, refit.train_world, refit.infer_world)
-        traffic = traffic_from_pairs([p.pair_bytes], place, topo, max_bucket_bytes=p.max_bucket_bytes)
+        if topo.gpus_per_domain > 1:  # what reshard runs there: network once per domain, then NVLink
+            from .hierarchy import hierarchical_plan
+
+            h = hierarchical_plan(refit.source, refit.destination, dict(enumerate(place.domain_of.tolist())),
+                                  max_bucket_bytes=p.max_bucket_bytes)
+            phases, names, plans = h.phase_pair_bytes, h.phase_names, h.phases
+        else:
+            phases, names, plans = [p.pair_bytes], ["transfer"], [p]
+        quotas = [q.quotas for q in plans] if p.max_bucket_bytes is not None else None
+        traffic = traffic_from_pairs(phases, place, topo, names=names, quotas=quotas)
         est = model_time(traffic, topo)
         stem = f"{args.model}-{args.train}-{args.infer}".replace(",", "_").replace(":", "_")
         paths = [plot_pair_bytes(p.pair_bytes, f"{args.plot}/{stem}-pairs.png", sources=p.source.ranks,
