@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .cost import Demand, gather_broadcast_time_of, lower_bound, model_time, traffic_from_pairs
-from .hierarchy import hierarchical_plan
+from .hierarchy import domain_need_bytes, hierarchical_plan
 from .plan import Plan
 from .topology import Placement, Topology
 
@@ -99,9 +99,8 @@ def demand_of(direct: Plan, hier, placement: Placement) -> Demand:
     src_domains = {int(dom[r]) for r in direct.source.ranks}
     egress = 0.0
     exclusive: dict[int, float] = {}
-    if not dst_domains & src_domains:
-        egress = float(sum(hier.cross_domain_bytes.values()) / max(len(dst_domains), 1))
-        egress = max(egress, float(max(hier.cross_domain_bytes.values(), default=0)))
+    if not dst_domains & src_domains:  # every distinct box some destination holds leaves the sources
+        egress = float(sum(domain_need_bytes(direct.destination, {r: 0 for r in direct.destination.ranks}).values()))
         exclusive = _exclusive_source_bytes(direct)
     return Demand(domain_ingress_bytes=dict(hier.cross_domain_bytes), dest_need_bytes=dict(direct.recv_bytes),
                   source_egress_bytes=egress, source_exclusive_bytes=exclusive)
