@@ -185,7 +185,7 @@ def plot(results: list[Result], path: str) -> str:
               ("lower bound", [r.lower_bound_s for r in results], "#555555")]
     x = np.arange(len(results))
     width = 0.2
-    fig, ax = plt.subplots(figsize=(max(8, 1.8 * len(results)), 5))
+    fig, ax = plt.subplots(figsize=(max(8, 1.8 * len(results)) + 2, 5))
     for i, (name, vals, color) in enumerate(series):
         ax.bar(x + (i - 1.5) * width, vals, width, label=name, color=color)
     for i, r in enumerate(results):
@@ -196,7 +196,7 @@ def plot(results: list[Result], path: str) -> str:
     ax.set_xticks(x, labels, rotation=15)
     ax.set_ylabel("seconds per refit (modeled)")
     ax.set_title("refit time: reshard vs gather-and-broadcast vs the lower bound")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
