@@ -99,11 +99,17 @@ class ReshardExecutor:
         copy_within(part.local, src_buffers, dst_buffers, rank)
         peak = 0
         device = device_of(src_buffers, dst_buffers)
+        # one staging arena for every round (fresh buffers each round cost page faults / allocator work)
+        arena = torch.empty(part.peak_staging_bytes(), dtype=torch.uint8, device=device)
         for j in range(part.num_rounds):
             sends, recvs = part.round(j)
-            out = [pack(m, src_buffers, rank) for m in sends]
-            inc = [torch.empty(m.nbytes, dtype=torch.uint8, device=device) for m in recvs]
-            peak = max(peak, sum(m.nbytes for m in sends) + sum(m.nbytes for m in recvs))
+            views, pos = [], 0
+            for m in sends + recvs:
+                views.append(arena[pos: pos + m.nbytes])
+                pos += m.nbytes
+            out = [pack(m, src_buffers, rank, v) for m, v in zip(sends, views)]
+            inc = views[len(sends):]
+            peak = max(peak, pos)
             ops = [dist.P2POp(dist.isend, t, m.peer, self.group) for m, t in zip(sends, out)]
             ops += [dist.P2POp(dist.irecv, t, m.peer, self.group) for m, t in zip(recvs, inc)]
             if ops:
@@ -111,7 +117,8 @@ class ReshardExecutor:
                     work.wait(self.timeout)
             for m, t in zip(recvs, inc):
                 unpack(m, t, dst_buffers, rank)
-            del out, inc
+            del out, inc, views
+        del arena
         copy_within(part.fanout, dst_buffers, dst_buffers, rank)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
