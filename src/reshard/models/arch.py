@@ -18,6 +18,7 @@ Families and what differs::
 from __future__ import annotations
 
 import functools
+import re
 
 from dataclasses import asdict, dataclass, replace
 from typing import Mapping
@@ -265,6 +266,33 @@ def category(name: str) -> str:
     return "dense_mlp"
 
 
-def from_module(module: torch.nn.Module) -> list[TensorSpec]:
-    """The logical tensors of a live module, from ``named_parameters`` (full shapes of DTensors)."""
-    return [TensorSpec(name, tuple(p.shape), p.dtype) for name, p in module.named_parameters()]
+_FUSED_EXPERTS = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)")
+
+
+def from_module(module: torch.nn.Module, *, checkpoint_names: bool = True) -> list[TensorSpec]:
+    """The logical tensors of a live module: its parameters (full shapes of DTensors) and persistent
+    buffers (DeepSeek's ``e_score_correction_bias``), as ``state_dict`` names them.
+
+    transformers 5 fuses each layer's experts into ``mlp.experts.gate_up_proj [E, 2I, H]`` (gate
+    rows, then up) and ``mlp.experts.down_proj [E, H, I]``; with ``checkpoint_names`` they are
+    split back into the checkpoint's ``mlp.experts.{e}.gate_proj.weight [I, H]`` and so on, the
+    names :func:`model_specs` and every layout use.
+    """
+    persistent = set(module.state_dict().keys())
+    named = list(module.named_parameters()) + [(n, b) for n, b in module.named_buffers() if n in persistent]
+    out = []
+    for name, t in named:
+        shape, dtype = tuple(t.shape), t.dtype
+        m = _FUSED_EXPERTS.fullmatch(name) if checkpoint_names and len(shape) == 3 else None
+        if m is None:
+            out.append(TensorSpec(name, shape, dtype))
+            continue
+        base, kind = m.groups()
+        for e in range(shape[0]):
+            if kind == "gate_up_proj":
+                rows = (shape[1] // 2, shape[2])
+                out += [TensorSpec(f"{base}.{e}.gate_proj.weight", rows, dtype),
+                        TensorSpec(f"{base}.{e}.up_proj.weight", rows, dtype)]
+            else:
+                out.append(TensorSpec(f"{base}.{e}.down_proj.weight", shape[1:], dtype))
+    return out
