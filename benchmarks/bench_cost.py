@@ -5,15 +5,16 @@ Run from the repository root (``make bench-cost`` does)::
     python benchmarks/bench_cost.py [--configs 4-4:4x1,8-4:2x2] [--repeat 3] [--layers 4]
 
 Section 1 (this process): bandwidth and per-box cost of ``reshard.local.pack`` and
-``unpack`` as the executor calls them (a fresh staging tensor per 2 MiB message of
-strided tensor-parallel boxes).
+``unpack`` as the executor calls them (2 MiB messages of strided tensor-parallel boxes
+through one reused staging buffer, as the executor's staging arena).
 
 Then, for each configuration, one gloo process group of M + N processes (TCP
 loopback; ``batch_isend_irecv`` like the executor). Section 2: median one-way
 latency of a 1-byte ping-pong (ranks 0, 1); the CPU cost per message end, from
 rounds in which each of ranks 0-3 sends 16 bytes to every other; one pair's
 bandwidth, and the host's total with every process in a pair sending at once, 16
-messages of 2 MiB back to back, each into a fresh receive buffer. The machine is shared, so these are measured again, in the same
+messages of 2 MiB back to back into one reused receive buffer (the executor's staging arena).
+The machine is shared, so these are measured again, in the same
 minute, before each refit; they fill ``Topology.preset("cpu")`` (the first
 configuration's values are printed ready for ``CPU_MEASURED`` in
 ``src/reshard/topology.py``). Section 3: a real refit of a small Qwen3-shaped
@@ -85,8 +86,8 @@ def _block_messages(rows: int, cols: int, dtype: torch.dtype, message_bytes: int
 
 
 def measure_copies(repeat: int = 5, message_bytes: int = 2 * MiB) -> dict:
-    """Bytes/s of pack + unpack as the executor calls them (a fresh staging tensor per message), and the
-    fixed cost per copied box."""
+    """Bytes/s of pack + unpack as the executor calls them (each message through one reused staging
+    buffer, like the executor's arena), and the fixed cost per copied box."""
     torch.set_num_threads(1)
     dt = torch.bfloat16
     src = {"w": torch.randn(4096, 4096).to(dt)}  # 32 MiB, bigger than the caches
@@ -94,9 +95,11 @@ def measure_copies(repeat: int = 5, message_bytes: int = 2 * MiB) -> dict:
     msgs = _block_messages(4096, 4096, dt, message_bytes)
     nbytes = sum(m.payload_bytes for m in msgs)
 
+    stage = torch.empty(max(m.nbytes for m in msgs), dtype=torch.uint8)
+
     def round_trip():
         for m in msgs:
-            unpack(m, pack(m, src), dst)
+            unpack(m, pack(m, src, out=stage[: m.nbytes]), dst)
 
     bw = 2 * nbytes / best(round_trip, repeat)
     # many one-element boxes: the per-box cost (pack + unpack, per box)
@@ -179,16 +182,15 @@ def calibrate(rank: int, world: int, nbytes: int, repeat: int) -> dict:
     big = torch.zeros(nbytes if rank < paired else 1, dtype=torch.uint8)
 
     def stream(pairs: set[int], count: int = 16) -> float:
-        """Best of ``repeat``: ``count`` messages back to back, each into a fresh receive buffer as the
-        executor's receive staging is."""
+        """Best of ``repeat``: ``count`` messages back to back into one reused receive buffer, as the
+        executor's staging arena is."""
         times = []
         for _ in range(repeat):
             dist.barrier()
             t = time.perf_counter()
             if rank in pairs:
                 for _ in range(count):
-                    buf = big if sender else torch.empty(nbytes, dtype=torch.uint8)
-                    _exchange(rank, peer, [buf], sender)
+                    _exchange(rank, peer, [big], sender)
             times.append(collect(time.perf_counter() - t))
         return min(times) / count
 
@@ -352,9 +354,9 @@ def main(argv: list[str] | None = None) -> int:
                     f"{b.kind} {'node' if b.kind == 'host' else 'GPU'} {b.where}" if b else "-",
                     f"{empty_round_model(topo, m, n) * 1e3:.2f}", f"{got['empty_round_s'] * 1e3:.2f}")
         console.print(f"  {label}: measured {', '.join(f'{s:.3f}' for s in got['seconds'])} s (verified)")
-    hows = ["reshard.local.pack + unpack of 2 MiB messages of 4 KiB-row boxes, fresh staging each, 1 thread",
+    hows = ["reshard.local.pack + unpack of 2 MiB messages of 4 KiB-row boxes, one reused staging buffer, 1 thread",
             "pack + unpack of 2048 one-element boxes", f"ranks 0 -> 1, 16 x {args.stream_mb:g} MiB back to back",
-            "every process in a pair (0 -> 1, 2 -> 3, ...), all at once, total bytes (fresh receive buffers)", "0 <-> 1, half a 1-byte ping-pong, median of 200",
+            "every process in a pair (0 -> 1, 2 -> 3, ...), all at once, total bytes (reused receive buffer)", "0 <-> 1, half a 1-byte ping-pong, median of 200",
             "ranks 0-3 each send 16 B to each other, 20 rounds back to back: (round - latency) x cores / 24 "
             "message ends",
             "os.cpu_count()"]

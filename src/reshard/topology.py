@@ -260,13 +260,13 @@ def _read_value(key: str, raw):
 # it prints fresh values for the machine it runs on (they move by large factors when other jobs take the
 # cores: rerun rather than trust these).
 CPU_MEASURED = dict(
-    nic_bytes_per_s=8.983e8,  # one pair, 16 x 2 MiB messages back to back into fresh receive buffers
-    host_bytes_per_s=1.548e9,  # every process of the group in a pair, all at once, total
-    net_latency_s=1.543e-3,  # median one-way time of a 1-byte ping-pong
+    nic_bytes_per_s=2.169e9,  # one pair, 16 x 2 MiB messages back to back into one reused receive buffer
+    host_bytes_per_s=2.638e9,  # every process of the group in a pair, all at once, total
+    net_latency_s=8.188e-5,  # median one-way time of a 1-byte ping-pong
     launch_latency_s=0.0,
-    copy_bytes_per_s=7.716e9,  # reshard.local.pack + unpack, 2 MiB messages, fresh staging, one thread
-    message_overhead_s=2.107e-4,  # CPU per message end: 4 processes messaging each other, back to back
-    copy_overhead_s=8.75e-6,  # per box packed or unpacked
+    copy_bytes_per_s=7.854e9,  # reshard.local.pack + unpack, 2 MiB messages, one reused staging buffer, one thread
+    message_overhead_s=1.773e-4,  # CPU per message end: 4 processes messaging each other, back to back
+    copy_overhead_s=8.923e-6,  # per box packed or unpacked
     host_cores=2,
 )
 
