@@ -34,8 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import shlex
 import statistics
 import sys
 import tempfile
@@ -54,7 +52,7 @@ from reshard.local import pack, unpack
 from reshard.schedule import Copy, Message
 from reshard.topology import CPU_MEASURED, Placement, cpu_topology
 
-from bench_refit import parse_configs  # noqa: E402  (benchmarks/ is on the path when run as a script)
+from bench_refit import parse_configs, print_header  # noqa: E402  (benchmarks/ is on the path when run as a script)
 
 MiB = 1 << 20
 DEFAULT_CONFIGS = "4-4:4x1,8-4:2x2"
@@ -299,10 +297,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="model with the values stored in topology.py instead of this run's")
     args = ap.parse_args(argv)
     console = Console(width=max(Console().width, 200))
-    cmd = " ".join(["python", "benchmarks/bench_cost.py"] + [shlex.quote(a) for a in (argv or sys.argv[1:])])
-    console.print(f"$ {cmd}")
-    console.print(f"machine: {os.cpu_count()} CPUs, {platform.machine()}, python {platform.python_version()}, "
-                  f"torch {torch.__version__}, gloo over loopback")
+    print_header(console, "benchmarks/bench_cost.py", argv)
     start = time.perf_counter()
     cores = os.cpu_count() or 1
     copies = None

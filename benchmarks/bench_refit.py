@@ -46,6 +46,14 @@ PLANNER_CASES = [  # (M, tp, dp, layers)
 ]
 
 
+def print_header(console, script: str, argv: list[str] | None) -> None:
+    """The command line and the machine, first lines of every benchmark's output."""
+    cmd = " ".join(["python", script] + [shlex.quote(a) for a in (argv or sys.argv[1:])])
+    console.print(f"$ {cmd}")
+    console.print(f"machine: {os.cpu_count()} CPUs, {platform.machine()}, python {platform.python_version()}, "
+                  f"torch {torch.__version__}, gloo over loopback")
+
+
 def parse_configs(text: str) -> list[tuple[int, int, int]]:
     """``"4-4:2x2"`` = 4 sources -> 4 destinations as tp=2 x dp=2."""
     out = []
@@ -186,10 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-planner", action="store_true", help="only the multi-process section")
     args = ap.parse_args(argv)
     console = Console(width=max(Console().width, 160))
-    cmd = " ".join(["python", "benchmarks/bench_refit.py"] + [shlex.quote(a) for a in (argv or sys.argv[1:])])
-    console.print(f"$ {cmd}")
-    console.print(f"machine: {os.cpu_count()} CPUs, {platform.machine()}, python {platform.python_version()}, "
-                  f"torch {torch.__version__}, gloo over loopback")
+    print_header(console, "benchmarks/bench_refit.py", argv)
     start = time.perf_counter()
     if not args.skip_processes:
         console.print(run_configs(args, console))

@@ -22,10 +22,13 @@ import math
 from collections import abc, defaultdict
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Iterable, Mapping, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .placements import Placement
 
 
 class LayoutError(ValueError):
