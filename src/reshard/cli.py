@@ -309,7 +309,7 @@ def _simulate_parser(sub) -> argparse.ArgumentParser:
         "simulate", help="model refit times at cluster scale beside the published figures (table + PNG)",
         description=(
             "For each case, build the real training (Megatron-Core) and inference (vLLM) layouts of the model, "
-            "plan the refit directly and in two phases over NVLink domains, and model the time of both on the "
+            "plan the refit directly and in phases over NVLink domains, and model the time of both on the "
             "case's machine, beside gather-and-broadcast modeled over NCCL on the same links, the physical "
             "lower bound, and the published figure. Pure computation: no process group, no GPU. The biggest "
             "case (a 2.4 T-parameter MoE on 1024 + 1024 GPUs) takes about a minute here."),

@@ -1,4 +1,4 @@
-"""Two-phase refit across NVLink domains: cross the network once per domain, fan out over NVLink.
+"""Refit in phases across NVLink domains: cross the network once per domain, fan out over NVLink.
 
 When several destination ranks of one NVLink domain hold the same box (data-parallel
 engines, replicated KV heads, norms, routers), the box crosses the network once into the
@@ -14,6 +14,11 @@ each need all of it, domains ``{2, 3}`` and ``{4, 5}``::
 
     phase 1   0 -> 2  w      1 -> 4  w     each domain takes w once over the network
     phase 2   2 -> 3  w      4 -> 5  w     NVLink
+
+A *relay* phase goes between them when more domains need a box than the sources hold copies
+of it (:func:`split_relays`): the sources send it to as many *seed* domains as they hold
+copies, and the seeds' receivers send it on to the other domains' over the network, whose
+inference-side NICs are otherwise idle in phase 1.
 
 Sources are chosen with ``domains`` (see :class:`~reshard.plan.Plan`): a replica inside the
 destination's domain is used when there is one, else the replica with the least traffic out

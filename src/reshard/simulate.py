@@ -3,8 +3,9 @@
 For each case the real layouts are built (Megatron-Core training, vLLM inference), planned
 twice, and the plans' bytes per link fed to the cost model (:mod:`reshard.cost`):
 
-    ours, hierarchical   two phases: each NVLink domain takes what it lacks over the network
-                         once, then forwards over NVLink (:mod:`reshard.hierarchy`)
+    ours, hierarchical   each NVLink domain takes what it lacks over the network once
+                         (from a source, or relayed by another domain when the sources hold
+                         too few copies), then forwards over NVLink (:mod:`reshard.hierarchy`)
     ours, direct         one point-to-point phase, every destination from a source
     gather-broadcast     per bucket of tensors: gather on one training rank, NCCL ring
                          broadcast to every inference rank
@@ -86,7 +87,7 @@ class Result:
 def demand_of(direct: Plan, hier, placement: Placement) -> Demand:
     """What any refit of these layouts must move (the lower bound's inputs).
 
-    * per domain: the bytes the two-phase plan brings in from other domains: every distinct box
+    * per domain: the bytes the hierarchical plan brings in from other domains: every distinct box
       its ranks need, minus what sources inside it hold (the planner takes a replica inside the
       domain when there is one; tests check this against numpy masks);
     * per destination rank: the bytes it receives in the direct plan (each element it needs and
