@@ -147,3 +147,24 @@ def test_demo_named_model_megatron_moe_to_vllm_bit_exact():
         ("tiny qwen3-30b-a3b", "tp1,ep2", "tp2", 2, 2)
     assert main(["demo", "--model", "qwen3-30b-a3b", "--tp", "2"]) == 2  # ranks come from --train/--infer
     assert main(["demo", "--train", "tp2"]) == 2  # --train needs --model
+
+
+def test_hierarchical_method_crosses_domains_once_per_replica_set():
+    """2 data-parallel replicas of TP 2 in one pretend NVLink domain: the hierarchical refit takes
+    each byte into the domain once (half of what the direct plan sends across), bit-exact."""
+    from reshard.demo import HIERARCHICAL, demo_domains
+    from reshard.hierarchy import domain_need_bytes
+
+    cfg = DemoConfig(model=TINY, sources=2, tp=2, dp=2, methods=(RESHARD, HIERARCHICAL), progress=False,
+                     max_bucket_bytes=1 << 14)
+    assert demo_domains(cfg.layouts(), 0) == {0: 0, 1: 0, 2: 1, 3: 1, 4: 1, 5: 1}
+    result = run_demo(cfg)
+    assert failures(result) == []
+    h, direct = result["methods"][HIERARCHICAL], result["methods"][RESHARD]
+    need = domain_need_bytes(cfg.layouts().destination, demo_domains(cfg.layouts(), 0))
+    assert h["cross_domain_bytes"] == need[1]  # every distinct box the domain holds, once
+    # the direct plan sends each replica its own copy: twice for the DP-replicated boxes, four times
+    # for the norms every rank holds
+    assert 2 * h["cross_domain_bytes"] <= direct["cross_domain_bytes"] == direct["wire_bytes"]
+    assert h["wire_bytes"] == direct["wire_bytes"]  # the rest moves inside the domain
+    assert h["phases"] == ["network", "NVLink forward"]

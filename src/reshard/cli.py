@@ -101,8 +101,11 @@ def _demo_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0,
                    help="seed of the test values written into the source buffers (default %(default)s)")
     r.add_argument("--methods", default="reshard,gather-broadcast",
-                   help="comma-separated methods to run, in order, of: reshard, gather-broadcast "
-                        "(default %(default)s)")
+                   help="comma-separated methods to run, in order, of: reshard, gather-broadcast, hierarchical "
+                        "(reshard in phases over pretend NVLink domains, see --domain-size) (default %(default)s)")
+    r.add_argument("--domain-size", type=int, default=0, metavar="K",
+                   help="for the hierarchical method: pretend NVLink domains of K consecutive ranks, inference "
+                        "ranks starting a fresh domain; 0 puts all inference ranks in one (default %(default)s)")
     r.add_argument("--json", metavar="PATH", default=None,
                    help="also write the collected figures (per-run times, bytes, plan facts) to PATH as JSON")
     r.add_argument("--quiet", action="store_true",
@@ -147,7 +150,7 @@ def _demo(args) -> int:
         model=model, sources=args.sources, tp=args.tp, dp=args.dp, colocate=args.colocate,
         source_dtype=DTYPES[args.source_dtype] if args.source_dtype else None,
         max_bucket_bytes=int(args.max_bucket_mb * (1 << 20)) or None, repeat=args.repeat, seed=args.seed,
-        methods=methods, progress=not args.quiet,
+        methods=methods, progress=not args.quiet, domain_size=args.domain_size,
     )
     try:
         lay = cfg.layouts()
@@ -179,7 +182,7 @@ def _demo_model(args, console, methods) -> int:
         preset=args.model, train=args.train, infer=args.infer, tiny=args.tiny,
         arch_overrides=overrides + (("dtype", DTYPES[args.dtype]),),
         max_bucket_bytes=int(args.max_bucket_mb * (1 << 20)) or None, repeat=args.repeat, seed=args.seed,
-        methods=methods, progress=not args.quiet,
+        methods=methods, progress=not args.quiet, domain_size=args.domain_size,
     )
     try:
         arch = cfg.arch

@@ -26,13 +26,15 @@ import torch.distributed as dist
 from . import verify
 from .demo_model import QWEN3_0_6B, DemoLayouts, ModelConfig, demo_layouts
 from .models.arch import Arch, get_arch
-from .executor import ReshardExecutor
+from .executor import HierarchicalExecutor, ReshardExecutor, RunStats
 from .gather_broadcast import GatherBroadcastExecutor
+from .hierarchy import hierarchical_plan
 from .plan import plan as make_plan
 from .process_group import spawn
 
-RESHARD, GATHER_BROADCAST = "reshard", "gather-broadcast"
-METHODS = (RESHARD, GATHER_BROADCAST)
+RESHARD, GATHER_BROADCAST, HIERARCHICAL = "reshard", "gather-broadcast", "hierarchical"
+METHODS = (RESHARD, GATHER_BROADCAST, HIERARCHICAL)
+DEFAULT_METHODS = (RESHARD, GATHER_BROADCAST)
 MiB = 1 << 20
 
 
@@ -49,7 +51,7 @@ class DemoConfig:
     max_bucket_bytes: int | None = 64 * MiB
     repeat: int = 1
     seed: int = 0
-    methods: tuple[str, ...] = METHODS
+    methods: tuple[str, ...] = DEFAULT_METHODS
     progress: bool = True
     # a named model with real framework layouts (reshard.plan_report.build_refit) instead of the
     # Qwen3-like model above: preset name (or an Arch), training and inference configs
@@ -57,6 +59,9 @@ class DemoConfig:
     train: str | None = None
     infer: str | None = None
     tiny: bool = True  # shrink the preset to a small random model of the same family (see tiny_arch)
+    # pretend NVLink domains of this many consecutive ranks for the hierarchical method (inference
+    # ranks start a fresh domain); 0: all inference ranks in one domain
+    domain_size: int = 0
     arch_overrides: tuple[tuple[str, object], ...] = ()  # applied after shrinking, e.g. (("layers", 3),)
 
     @property
@@ -187,9 +192,14 @@ def _refit(rank: int, world: int, cfg: DemoConfig, lay: DemoLayouts, ph: _Phases
 
     src_bufs, dst_bufs = ph.run("filling source buffers", filling, "filling")
     methods = {}
+    domains = demo_domains(lay, cfg.domain_size)
     for method in cfg.methods:
         t = time.perf_counter()
-        ex = ReshardExecutor(plan) if method == RESHARD else GatherBroadcastExecutor(plan)
+        if method == HIERARCHICAL:
+            hplan = hierarchical_plan(lay.source, lay.destination, domains, max_bucket_bytes=cfg.max_bucket_bytes)
+            ex = HierarchicalExecutor(hplan)
+        else:
+            ex = ReshardExecutor(plan) if method == RESHARD else GatherBroadcastExecutor(plan)
         setup_s = time.perf_counter() - t
 
         def one_run():
@@ -198,6 +208,8 @@ def _refit(rank: int, world: int, cfg: DemoConfig, lay: DemoLayouts, ph: _Phases
             dist.barrier()
             t0 = time.perf_counter()
             stats = ex.run(src_bufs, dst_bufs)
+            if isinstance(stats, list):
+                stats = _merged(stats)
             return time.perf_counter() - t0, stats
 
         reps, bad = [], []
@@ -210,6 +222,11 @@ def _refit(rank: int, world: int, cfg: DemoConfig, lay: DemoLayouts, ph: _Phases
         seen: list = [None] * world
         dist.all_gather_object(seen, (rank, setup_s, [(w, asdict(s)) for w, s in reps], bad))
         methods[method] = _method_summary(seen, lay, cfg.repeat)
+        if method == HIERARCHICAL:
+            methods[method]["cross_domain_bytes"] = sum(hplan.cross_domain_bytes.values())
+            methods[method]["phases"] = hplan.phase_names
+        elif method == RESHARD:
+            methods[method]["cross_domain_bytes"] = _cross_domain_bytes(plan.pair_bytes, domains)
     peak_dst = max((largest_piece_bytes(lay, r) for r in lay.destination_ranks), default=0)
     part = plan.for_rank(rank)
     largest_copy = max((c.nbytes for m in part.sends + part.recvs for c in m.copies), default=0)
@@ -228,6 +245,31 @@ def _refit(rank: int, world: int, cfg: DemoConfig, lay: DemoLayouts, ph: _Phases
         "methods": methods,
         "phases": ph.seconds,
     }
+
+
+def demo_domains(lay: DemoLayouts, size: int) -> dict[int, int]:
+    """Pretend NVLink domains: ``size`` consecutive ranks each, the inference ranks from a fresh
+    domain (0: all inference ranks in one). Colocated ranks keep one domain for both roles."""
+    dst = lay.destination_ranks
+    size = size or len(dst)
+    out = {r: r // size for r in lay.source_ranks}
+    if set(dst) & set(lay.source_ranks):  # colocated
+        return {r: r // size for r in sorted(set(dst) | set(lay.source_ranks))}
+    first = -(-len(lay.source_ranks) // size)
+    out.update({r: first + i // size for i, r in enumerate(dst)})
+    return out
+
+
+def _merged(stats: list[RunStats]) -> RunStats:
+    """One run's figures over the phases of a hierarchical refit."""
+    return RunStats(stats[0].rank, sum(s.seconds for s in stats), sum(s.sent_bytes for s in stats),
+                    sum(s.recv_bytes for s in stats), sum(s.local_bytes for s in stats),
+                    max(s.peak_staging_bytes for s in stats), sum(s.rounds for s in stats),
+                    sum(s.messages for s in stats))
+
+
+def _cross_domain_bytes(pair_bytes: dict, domains: dict[int, int]) -> int:
+    return sum(b for (s, d), b in pair_bytes.items() if domains[s] != domains[d])
 
 
 def largest_piece_bytes(lay: DemoLayouts, rank: int) -> int:
@@ -265,6 +307,7 @@ def _config_dict(cfg: DemoConfig, lay: DemoLayouts) -> dict:
         "source_dtype": str(cfg.source_dtype or m.dtype).removeprefix("torch."),
         "params": sum(s.numel for s in lay.specs), "model_bytes": sum(s.nbytes for s in lay.specs),
         "repeat": cfg.repeat, "seed": cfg.seed, "max_bucket_bytes": cfg.max_bucket_bytes,
+        "domain_size": cfg.domain_size,
     }
 
 
@@ -279,6 +322,7 @@ def _model_config_dict(cfg: DemoConfig, lay: DemoLayouts) -> dict:
         "dtype": str(a.dtype).removeprefix("torch."),
         "params": sum(s.numel for s in lay.specs), "model_bytes": sum(s.nbytes for s in lay.specs),
         "repeat": cfg.repeat, "seed": cfg.seed, "max_bucket_bytes": cfg.max_bucket_bytes,
+        "domain_size": cfg.domain_size,
     }
 
 
@@ -376,6 +420,18 @@ def print_report(result: dict, console=None) -> None:
         console.width = 100
     console.print(report_table(result))
     console.print(plan_line(result))
+    h = result["methods"].get(HIERARCHICAL)
+    if h is not None:
+        size = result["config"].get("domain_size") or "all inference"
+        scale, unit = (1e6, "MB") if result["config"]["model_bytes"] < 1e9 else (1e9, "GB")
+        line = (f"hierarchical ({' -> '.join(h['phases'])}; pretend NVLink domains of {size} ranks): "
+                f"{h['cross_domain_bytes'] / scale:.3f} {unit} crossed between domains, "
+                f"{(h['wire_bytes'] - h['cross_domain_bytes']) / scale:.3f} {unit} stayed inside one")
+        direct = result["methods"].get(RESHARD)
+        if direct is not None:
+            line += (f"; reshard without domains sends {direct['cross_domain_bytes'] / scale:.3f} {unit} "
+                     f"between them")
+        console.print(line, highlight=False)
     bad = failures(result)
     if bad:
         console.print(f"[bold red]VERIFICATION FAILED[/]: {len(bad)} mismatching pieces")
