@@ -168,3 +168,17 @@ def test_hierarchical_method_crosses_domains_once_per_replica_set():
     assert 2 * h["cross_domain_bytes"] <= direct["cross_domain_bytes"] == direct["wire_bytes"]
     assert h["wire_bytes"] == direct["wire_bytes"]  # the rest moves inside the domain
     assert h["phases"] == ["network", "NVLink forward"]
+
+
+def test_demo_named_model_colocated_with_fp32_training_weights():
+    """Megatron fp32 master weights and vLLM bf16 weights on the same two ranks: most bytes copy
+    locally (cast on the way), the rest cross; every destination byte checked."""
+    cfg = DemoConfig(preset="qwen3-8b", train="tp2", infer="tp1,dp2", colocate=True,
+                     source_dtype=torch.float32, progress=False)
+    lay = cfg.layouts()
+    assert lay.source_ranks == lay.destination_ranks == [0, 1]
+    assert {dt for r in lay.source_ranks for _, dt in lay.source.buffers(r).values()} == {torch.float32}
+    res = run_demo(cfg)
+    assert failures(res) == [] and res["config"]["colocate"]
+    plan = rs.plan(lay.source, lay.destination)
+    assert 0 < res["methods"][RESHARD]["wire_bytes"] == plan.wire_bytes < plan.wire_bytes + plan.local_bytes

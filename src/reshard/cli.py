@@ -170,8 +170,7 @@ def _demo_model(args, console, methods) -> int:
     from .demo import _BYTES, _PARAMS, DemoConfig, _size
     from .layout import LayoutError
 
-    clash = [f"--{o.replace('_', '-')}" for o in ("sources", "tp", "dp", "scale", "source_dtype")
-             if getattr(args, o) is not None] + (["--colocate"] if args.colocate else [])
+    clash = [f"--{o}" for o in ("sources", "tp", "dp", "scale") if getattr(args, o) is not None]
     if clash:
         console.print(f"[red]reshard demo: {', '.join(clash)} cannot be used with --model; "
                       f"set the ranks with --train and --infer")
@@ -179,7 +178,8 @@ def _demo_model(args, console, methods) -> int:
     overrides = tuple((k, getattr(args, k)) for k in ("layers", "hidden", "intermediate", "heads", "kv_heads",
                                                       "head_dim", "vocab") if getattr(args, k) is not None)
     cfg = DemoConfig(
-        preset=args.model, train=args.train, infer=args.infer, tiny=args.tiny,
+        preset=args.model, train=args.train, infer=args.infer, tiny=args.tiny, colocate=args.colocate,
+        source_dtype=DTYPES[args.source_dtype] if args.source_dtype else None,
         arch_overrides=overrides + (("dtype", DTYPES[args.dtype]),),
         max_bucket_bytes=int(args.max_bucket_mb * (1 << 20)) or None, repeat=args.repeat, seed=args.seed,
         methods=methods, progress=not args.quiet, domain_size=args.domain_size,
@@ -194,8 +194,10 @@ def _demo_model(args, console, methods) -> int:
     console.print(
         f"[bold]reshard demo[/]: {cfg.model_name} ({arch.family}), {len(lay.specs)} tensors, "
         f"{_size(sum(s.numel for s in lay.specs), _PARAMS)} ({_size(nbytes, _BYTES)} {args.dtype}); "
-        f"train {cfg.train_spec} on {len(lay.source_ranks)} ranks -> infer {cfg.infer_spec} on "
-        f"{len(lay.destination_ranks)} ranks, {lay.world_size} processes, gloo", highlight=False)
+        f"train {cfg.train_spec} on {len(lay.source_ranks)} ranks"
+        f"{f' ({args.source_dtype} weights)' if args.source_dtype else ''} -> infer {cfg.infer_spec} on "
+        f"{len(lay.destination_ranks)} ranks{', colocated' if cfg.colocate else ''}, {lay.world_size} processes, "
+        f"gloo", highlight=False)
     return _run_and_report(cfg, args, console)
 
 

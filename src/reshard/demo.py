@@ -96,7 +96,8 @@ class DemoConfig:
         from .models.arch import model_specs
         from .plan_report import build_refit
 
-        refit = build_refit(self.arch, self.train_spec, self.infer_spec)
+        refit = build_refit(self.arch, self.train_spec, self.infer_spec, source_dtype=self.source_dtype,
+                            colocate=self.colocate)
         src, dst = refit.source, refit.destination
         return DemoLayouts(model_specs(refit.arch), src, dst, list(src.ranks), list(dst.ranks))
 
@@ -316,7 +317,7 @@ def _model_config_dict(cfg: DemoConfig, lay: DemoLayouts) -> dict:
     return {
         "model": cfg.model_name, "family": a.family, "train": cfg.train_spec, "infer": cfg.infer_spec,
         "sources": len(lay.source_ranks), "destinations": len(lay.destination_ranks),
-        "world": lay.world_size, "colocate": False, "arch": {k: (str(v).removeprefix("torch.")
+        "world": lay.world_size, "colocate": cfg.colocate, "arch": {k: (str(v).removeprefix("torch.")
                                                                 if isinstance(v, torch.dtype) else v)
                                                             for k, v in asdict(a).items()},
         "dtype": str(a.dtype).removeprefix("torch."),

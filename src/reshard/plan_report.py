@@ -17,6 +17,8 @@ import re
 import time
 from dataclasses import dataclass
 
+import torch
+
 from .gather_broadcast import gather_broadcast_bytes
 from .layout import Layout, LayoutError
 from .models import Arch, category, get_arch
@@ -57,8 +59,14 @@ class ModelRefit:
     build_s: float
 
 
-def build_refit(model: str | Arch, train: str, infer: str) -> ModelRefit:
-    """Layouts for ``model`` with training config ``train`` and inference config ``infer``."""
+def build_refit(model: str | Arch, train: str, infer: str, *, source_dtype: torch.dtype | None = None,
+                colocate: bool = False) -> ModelRefit:
+    """Layouts for ``model`` with training config ``train`` and inference config ``infer``.
+
+    ``source_dtype``: the training side's parameter dtype (fp32 master weights, say; the inference
+    side keeps the model's). ``colocate``: inference ranks are ``0..N-1``, sharing GPUs with the
+    training ranks ``0..M-1`` (else they are ``M..M+N-1``).
+    """
     from .frameworks.fsdp import fsdp_layout
     from .frameworks.megatron import megatron_layout, suggest_pp_layers
     from .frameworks.vllm import vllm_layout
@@ -77,17 +85,18 @@ def build_refit(model: str | Arch, train: str, infer: str) -> ModelRefit:
         # MTP layers sit on the last stage outside the pipeline split of the decoder layers
         pp_layers = None if arch.layers % pp == 0 else suggest_pp_layers(arch.layers, pp)
         source = megatron_layout(arch, range(world), tp=tp, pp=pp, ep=ep, etp=etp, dp=dense_dp, cp=cp,
-                                 pp_layers=pp_layers)
+                                 pp_layers=pp_layers, dtype=source_dtype)
     elif tfw == "fsdp":
         tp, dp, hsdp = t.get("tp") or 1, t.get("dp") or 1, t.get("hsdp") or 1
         world = tp * dp * hsdp
-        source = fsdp_layout(arch, range(world), dp_shard=dp, dp_replicate=hsdp, tp=tp)
+        source = fsdp_layout(arch, range(world), dp_shard=dp, dp_replicate=hsdp, tp=tp, dtype=source_dtype)
     else:
         raise LayoutError(f"--train: unknown framework {tfw!r}; use megatron: or fsdp:")
     if (ifw or "vllm") != "vllm":
         raise LayoutError(f"--infer: unknown framework {ifw!r}; use vllm:")
     itp, idp = i.get("tp") or 1, i.get("dp") or 1
-    destination = vllm_layout(arch, range(world, world + itp * idp), itp, idp, expert_parallel="ep" in i)
+    first = 0 if colocate else world
+    destination = vllm_layout(arch, range(first, first + itp * idp), itp, idp, expert_parallel="ep" in i)
     return ModelRefit(arch, source, destination, world, itp * idp, time.perf_counter() - t0)
 
 
