@@ -28,7 +28,7 @@ from .demo_model import QWEN3_0_6B, DemoLayouts, ModelConfig, demo_layouts
 from .models.arch import Arch, get_arch
 from .executor import HierarchicalExecutor, ReshardExecutor, RunStats
 from .gather_broadcast import GatherBroadcastExecutor
-from .hierarchy import hierarchical_plan
+from .hierarchy import cross_domain_bytes, hierarchical_plan
 from .plan import plan as make_plan
 from .process_group import spawn
 
@@ -227,7 +227,7 @@ def _refit(rank: int, world: int, cfg: DemoConfig, lay: DemoLayouts, ph: _Phases
             methods[method]["cross_domain_bytes"] = sum(hplan.cross_domain_bytes.values())
             methods[method]["phases"] = hplan.phase_names
         elif method == RESHARD:
-            methods[method]["cross_domain_bytes"] = _cross_domain_bytes(plan.pair_bytes, domains)
+            methods[method]["cross_domain_bytes"] = sum(cross_domain_bytes(plan.pair_bytes, domains).values())
     peak_dst = max((largest_piece_bytes(lay, r) for r in lay.destination_ranks), default=0)
     part = plan.for_rank(rank)
     largest_copy = max((c.nbytes for m in part.sends + part.recvs for c in m.copies), default=0)
@@ -267,10 +267,6 @@ def _merged(stats: list[RunStats]) -> RunStats:
                     sum(s.recv_bytes for s in stats), sum(s.local_bytes for s in stats),
                     max(s.peak_staging_bytes for s in stats), sum(s.rounds for s in stats),
                     sum(s.messages for s in stats))
-
-
-def _cross_domain_bytes(pair_bytes: dict, domains: dict[int, int]) -> int:
-    return sum(b for (s, d), b in pair_bytes.items() if domains[s] != domains[d])
 
 
 def largest_piece_bytes(lay: DemoLayouts, rank: int) -> int:

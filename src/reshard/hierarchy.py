@@ -40,7 +40,7 @@ import numpy as np
 
 from .gc_pause import without_gc
 from .layout import Layout, PieceTable, Repeated, itemsize
-from .plan import Plan
+from .plan import Plan, domain_array
 
 AUTO = "auto"
 
@@ -73,9 +73,8 @@ class HierarchicalPlan:
         """Bytes entering each destination domain from other domains (over NICs)."""
         out: dict[int, int] = {}
         for p in self.phases:
-            for (s, d), b in p.pair_bytes.items():
-                if self.domains[s] != self.domains[d]:
-                    out[self.domains[d]] = out.get(self.domains[d], 0) + b
+            for d, b in cross_domain_bytes(p.pair_bytes, self.domains).items():
+                out[d] = out.get(d, 0) + b
         return out
 
     @property
@@ -91,6 +90,15 @@ class HierarchicalPlan:
         return out
 
 
+def cross_domain_bytes(pair_bytes: Mapping[tuple[int, int], int], domains: Mapping[int, int]) -> dict[int, int]:
+    """``{domain: bytes}`` that pairs ``{(src, dst): bytes}`` bring into each domain from another."""
+    out: dict[int, int] = {}
+    for (s, d), b in pair_bytes.items():
+        if domains[s] != domains[d]:
+            out[domains[d]] = out.get(domains[d], 0) + b
+    return out
+
+
 def domain_need_bytes(destination: Layout, domains: Mapping[int, int]) -> dict[int, int]:
     """Bytes of the distinct boxes each domain's ranks hold (identical boxes counted once).
 
@@ -100,7 +108,7 @@ def domain_need_bytes(destination: Layout, domains: Mapping[int, int]) -> dict[i
     >>> domain_need_bytes(dst, {2: 0, 3: 0, 4: 1, 5: 1})
     {0: 64, 1: 64}
     """
-    dom = _domain_lookup(domains, destination.ranks)
+    dom = domain_array(domains, destination.ranks)
     out: dict[int, int] = {}
     for name, t in destination.tables.items():
         if not len(t):
@@ -139,14 +147,14 @@ def hierarchical_plan(source: Layout, destination: Layout, domains: Mapping[int,
     return HierarchicalPlan(network, forward, domains, relay_plan)
 
 
-def _domain_lookup(domains: Mapping[int, int], ranks: list[int]) -> np.ndarray:
-    missing = [r for r in ranks if r not in domains]
-    if missing:
-        raise ValueError(f"domains: rank {missing[0]} has no domain ({len(missing)} ranks without one)")
-    out = np.full(max(max(domains, default=0), max(ranks, default=0)) + 1, -1, np.int64)
-    for r, d in domains.items():
-        out[r] = d
-    return out
+def _source_copies(st: PieceTable) -> int:
+    """How many copies of each region the source holds (pieces per distinct box)."""
+    return len(st) // max(len(np.unique(np.concatenate([st.offsets, st.sizes], axis=1), axis=0)), 1)
+
+
+def _with_tables(layout: Layout, tables: Mapping[str, PieceTable]) -> Layout:
+    """``layout``'s specs and buffers with other (subset) tables; not validated: they come from it."""
+    return Layout(layout.specs, tables, {r: layout.buffers(r) for r in layout.ranks}, validate=False)
 
 
 def _rows_of(t: PieceTable, rows: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -160,11 +168,8 @@ def _rows_of(t: PieceTable, rows: np.ndarray) -> tuple[np.ndarray, ...]:
 
 def _subset(t: PieceTable, rows: np.ndarray, shared: tuple[np.ndarray, ...]) -> PieceTable:
     """``t`` restricted to ``rows`` (whose ranks/offsets/sizes are ``shared``)."""
-    bufs = t.buffers
-    if bufs and bufs.count(bufs[0]) == len(bufs):
-        names = Repeated(bufs[0], len(rows))
-    else:
-        names = tuple(bufs[r] for r in rows.tolist())
+    b = t.one_buffer()
+    names = Repeated(b, len(rows)) if b is not None else tuple(t.buffers[r] for r in rows.tolist())
     return PieceTable(*shared, names, t.buffer_offsets[rows])
 
 
@@ -175,8 +180,7 @@ def split_receivers(destination: Layout, domains: Mapping[int, int]) -> tuple[La
     Receivers are chosen like sources: biggest boxes first, each to the rank of the domain with
     the least bytes coming in so far; tensors sharing a geometry are dealt round-robin.
     """
-    ranks = destination.ranks
-    dom = _domain_lookup(domains, ranks)
+    dom = domain_array(domains, destination.ranks)
     by_geometry: dict[bytes, list[str]] = {}
     for name, t in destination.tables.items():
         if len(t):
@@ -226,9 +230,7 @@ def split_receivers(destination: Layout, domains: Mapping[int, int]) -> tuple[La
             own = destination.tables[name]
             rec_tables[name] = _subset(own, hit[0], hit[1])
             rest_tables[name] = _subset(own, hit[2], hit[3])
-    buffers = {r: destination.buffers(r) for r in ranks}
-    return (Layout(destination.specs, rec_tables, buffers, validate=False),
-            Layout(destination.specs, rest_tables, buffers, validate=False))
+    return _with_tables(destination, rec_tables), _with_tables(destination, rest_tables)
 
 
 def split_across_replicas(receivers: Layout, source: Layout, split_bytes: int) -> Layout:
@@ -236,12 +238,11 @@ def split_across_replicas(receivers: Layout, source: Layout, split_bytes: int) -
     >= 2 into one part per source replica of its tensor (so the planner can take each part
     from another replica)."""
     tables = dict(receivers.tables)
-    ranks = receivers.ranks
     for name, t in receivers.tables.items():
         if not len(t):
             continue
         st = source.tables[name]
-        replicas = len(st) // max(len(np.unique(np.concatenate([st.offsets, st.sizes], axis=1), axis=0)), 1)
+        replicas = _source_copies(st)
         if replicas < 2:
             continue
         nbytes = t.sizes.prod(axis=1) * itemsize(receivers.specs[name].dtype)
@@ -271,12 +272,12 @@ def split_across_replicas(receivers: Layout, source: Layout, split_bytes: int) -
                 sizes[j, d] = size
                 boffs[j, lead + d] += a
         tables[name] = PieceTable(t.ranks[idx], offsets, sizes, tuple(t.buffers[i] for i in idx.tolist()), boffs)
-    return Layout(receivers.specs, tables, {r: receivers.buffers(r) for r in ranks}, validate=False)
+    return _with_tables(receivers, tables)
 
 
 def _relay_rows(t: PieceTable, st: PieceTable, dom: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     """(seed rows, relayed rows) of one receivers table, or None when no box needs a relay."""
-    copies = len(st) // max(len(np.unique(np.concatenate([st.offsets, st.sizes], axis=1), axis=0)), 1)
+    copies = _source_copies(st)
     if len(t) <= copies:
         return None
     boxes = np.concatenate([t.offsets, t.sizes], axis=1)
@@ -306,8 +307,7 @@ def split_relays(receivers: Layout, source: Layout, domains: Mapping[int, int]) 
     over the network instead of from a source (a training stage holding the LM head on 64 ranks
     then sends it 64 times, not once per inference domain). ``relayed`` is None when no box needs it.
     """
-    ranks = receivers.ranks
-    dom = _domain_lookup(domains, ranks)
+    dom = domain_array(domains, receivers.ranks)
     seeds: dict[str, PieceTable] = {}
     relayed: dict[str, PieceTable] = {}
     cache: dict[tuple, tuple | None] = {}
@@ -329,6 +329,4 @@ def split_relays(receivers: Layout, source: Layout, domains: Mapping[int, int]) 
             relayed[name] = _subset(t, hit[2], hit[3])
     if all(not len(t) for t in relayed.values()):
         return receivers, None
-    buffers = {r: receivers.buffers(r) for r in ranks}
-    return (Layout(receivers.specs, seeds, buffers, validate=False),
-            Layout(receivers.specs, relayed, buffers, validate=False))
+    return _with_tables(receivers, seeds), _with_tables(receivers, relayed)

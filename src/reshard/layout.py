@@ -152,6 +152,11 @@ class PieceTable:
     def __len__(self) -> int:
         return len(self.buffers)
 
+    def one_buffer(self) -> str | None:
+        """The buffer name every piece lives in, if they all share one."""
+        b = self.buffers
+        return b[0] if b and b.count(b[0]) == len(b) else None
+
     def geometry_key(self) -> bytes:
         """Bytes identifying ranks and boxes (not buffers): equal keys plan alike."""
         key = self._geometry
@@ -407,49 +412,49 @@ class Layout:
         dtypes = set(self._dtype_by_name().values())
         return next(iter(dtypes)) if len(dtypes) == 1 else None
 
+    def _one_dtype(self, t: PieceTable) -> torch.dtype | None:
+        """The fast answers of :meth:`uniform_dtype`: one dtype everywhere, or one buffer name whose
+        dtype every rank agrees on (``None`` means: look at the pieces)."""
+        single = self.single_dtype
+        if single is not None:
+            return single
+        b = t.one_buffer()
+        return None if b is None else self._dtype_by_name().get(b)
+
     def piece_dtypes(self, name: str) -> list[torch.dtype]:
         """The dtype of the buffer each piece of ``name`` lives in."""
         t = self.tables[name]
-        by_name = self._dtypes if self._dtypes is not None else self._dtype_by_name()
-        bufs = t.buffers
-        if bufs and bufs.count(bufs[0]) == len(bufs):
-            dt = by_name.get(bufs[0])
-            if dt is not None:
-                return [dt] * len(bufs)
-        names = set(bufs)
-        if all(by_name.get(b) is not None for b in names):
-            if len(names) == 1:
-                return [by_name[t.buffers[0]]] * len(t) if len(t) else []
+        dt = self._one_dtype(t)
+        if dt is not None:
+            return [dt] * len(t)
+        by_name = self._dtype_by_name()
+        if all(by_name.get(b) is not None for b in set(t.buffers)):
             return [by_name[b] for b in t.buffers]
         return [self._buffers[r][b][1] for r, b in zip(t.ranks.tolist(), t.buffers)]
 
+    def uniform_dtype(self, name: str) -> torch.dtype | None:
+        """The dtype of every piece's buffer of ``name`` when they agree, else None."""
+        dt = self._one_dtype(self.tables[name])
+        if dt is not None:
+            return dt
+        dtypes = set(self.piece_dtypes(name))
+        return dtypes.pop() if len(dtypes) == 1 else None
+
     def uniform_itemsize(self, name: str) -> int | None:
-        """Bytes per element when every piece of ``name`` lives in buffers of one dtype, else None."""
-        single = self.single_dtype
-        if single is not None:
-            return single.itemsize
-        bufs = self.tables[name].buffers
-        if bufs and bufs.count(bufs[0]) == len(bufs):
-            dt = self._dtype_by_name().get(bufs[0])
-            return None if dt is None else dt.itemsize
+        """Bytes per element when every piece of ``name`` lives in buffers of one itemsize, else None."""
+        dt = self._one_dtype(self.tables[name])
+        if dt is not None:
+            return dt.itemsize
         sizes = set(self.itemsizes(name).tolist())
         return sizes.pop() if len(sizes) == 1 else None
 
     def itemsizes(self, name: str) -> np.ndarray:
         """Bytes per element of the buffer each piece of ``name`` lives in (int64 [k])."""
         t = self.tables[name]
-        single = self.single_dtype
-        if single is not None:
-            return np.full(len(t), single.itemsize, np.int64)
-        bufs = t.buffers
-        if bufs and bufs.count(bufs[0]) == len(bufs):  # the common case: one buffer name
-            dt = self._dtype_by_name().get(bufs[0])
-            if dt is not None:
-                return np.full(len(t), dt.itemsize, np.int64)
-        dtypes = self.piece_dtypes(name)
-        if len(set(dtypes)) == 1:
-            return np.full(len(t), dtypes[0].itemsize, np.int64)
-        return np.array([itemsize(d) for d in dtypes], np.int64)
+        dt = self._one_dtype(t)
+        if dt is not None:
+            return np.full(len(t), dt.itemsize, np.int64)
+        return np.array([itemsize(d) for d in self.piece_dtypes(name)], np.int64)
 
     def empty_buffers(self, rank: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """Zero-filled buffers of ``rank`` (e.g. destination parameters before a refit)."""

@@ -32,11 +32,10 @@ from functools import cached_property
 from typing import Mapping
 
 import numpy as np
-import torch
 
 from .gc_pause import without_gc
 from .intersect import FANOUT, LOCAL, REMOTE, TensorItems, tensor_items
-from .layout import Layout, LayoutError, dtype_class
+from .layout import Layout, LayoutError, Repeated, dtype_class
 from .schedule import ALIGN, Copy, Message, chunk_stream, pair_quotas
 
 PLAN_FORMAT = 2  # 2: staging quotas in proportion to each stream's bytes
@@ -140,25 +139,15 @@ def _check_pair(source: Layout, destination: Layout) -> None:
                               f"are of different classes")
 
 
-def _domain_array(domains: Mapping[int, int] | None, source: Layout, destination: Layout) -> np.ndarray | None:
-    """``{rank: domain}`` as an array indexed by rank; every rank of both layouts needs one."""
-    if domains is None:
-        return None
-    ranks = sorted(set(source.ranks) | set(destination.ranks))
-    missing = [r for r in ranks if r not in domains]
+def domain_array(domains: Mapping[int, int], ranks) -> np.ndarray:
+    """``{rank: domain}`` as an array indexed by rank (-1 where unknown); each of ``ranks`` needs one."""
+    missing = [r for r in sorted(ranks) if r not in domains]
     if missing:
-        raise ValueError(f"domains: rank {missing[0]} of the layouts has no domain "
-                         f"({len(missing)} ranks without one)")
+        raise ValueError(f"domains: rank {missing[0]} has no domain ({len(missing)} ranks without one)")
     out = np.full(max(max(ranks, default=0), max(domains, default=0)) + 1, -1, np.int64)
     for r, d in domains.items():
         out[int(r)] = int(d)
     return out
-
-
-def _one_itemsize(buffers: tuple[str, ...], dtypes: Mapping[str, torch.dtype | None]) -> int | None:
-    """The itemsize when all pieces lie in one buffer name of one dtype on every rank, else None."""
-    dt = dtypes.get(buffers[0]) if buffers and buffers.count(buffers[0]) == len(buffers) else None
-    return None if dt is None else dt.itemsize
 
 
 def _items_key(st, dt) -> bytes:
@@ -194,7 +183,7 @@ class Plan:
         self.source = source
         self.destination = destination
         self.max_bucket_bytes = max_bucket_bytes
-        self.domains = _domain_array(domains, source, destination)
+        self.domains = None if domains is None else domain_array(domains, set(source.ranks) | set(destination.ranks))
         self._fingerprint: str | None = None
         self._stacked_cache: dict[int, tuple] = {}
         self.tensors = [n for n, t in destination.tables.items() if len(t)]
@@ -212,7 +201,6 @@ class Plan:
                                             interned.setdefault(dt.geometry_key(), len(interned)))
             keyed.setdefault(key, []).append(name)
         position = {n: i for i, n in enumerate(self.tensors)}
-        buffer_dtypes = destination._dtype_by_name()
         self._groups: list[_Group] = []
         same_boxes: dict[bytes, TensorItems] = {}
         for names in keyed.values():
@@ -226,9 +214,7 @@ class Plan:
             if destination.single_dtype is not None:  # the common case: one itemsize everywhere
                 isz = np.full((1, len(dt)), destination.single_dtype.itemsize, np.int64)
             else:
-                uniform = [_one_itemsize(dst_tables[n].buffers, buffer_dtypes) for n in names]
-                if None in uniform:
-                    uniform = [destination.uniform_itemsize(n) for n in names]
+                uniform = [destination.uniform_itemsize(n) for n in names]
                 if None not in uniform:  # each tensor's pieces share one buffer dtype
                     col = np.array(uniform, np.int64)[:, None]
                     if (col == col[0]).all():
@@ -653,27 +639,13 @@ class Plan:
                         slot[i, side] = k
                     pair.append(np.stack(unique))
                 stacks.append(tuple(pair))
-            by_name = self.destination._dtype_by_name()
             dtypes = []
             for name, t in zip(g.tensors, dst):
-                bufs = t.buffers
-                dt = by_name.get(bufs[0]) if bufs.count(bufs[0]) == len(bufs) else None
-                dtypes.append(_Repeated(dt) if dt is not None else self.destination.piece_dtypes(name))
+                dt = self.destination.uniform_dtype(name)
+                dtypes.append(Repeated(dt, len(t)) if dt is not None else self.destination.piece_dtypes(name))
             hit = self._stacked_cache[id(g)] = (
                 cls_of, slot, stacks, [t.buffers for t in src], [t.buffers for t in dst], dtypes)
         return hit
-
-
-class _Repeated:
-    """``x[i] == value`` for every ``i``: one dtype for all pieces of a tensor."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value) -> None:
-        self.value = value
-
-    def __getitem__(self, i: int):
-        return self.value
 
 
 def plan(source: Layout, destination: Layout, *, max_bucket_bytes: int | None = None,
