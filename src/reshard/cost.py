@@ -592,11 +592,8 @@ def gather_inputs(plan, root: int | None = None) -> tuple[list[str], list[int], 
         if got is None:
             got = {}
             if len(t):
-                boxes = np.concatenate([t.offsets, t.sizes], axis=1)
-                uniq, inv = np.unique(boxes, axis=0, return_inverse=True)
-                inv = inv.reshape(-1)
+                inv, holders = t.box_copies()
                 held_by_root = set(inv[t.ranks == root].tolist())
-                holders = np.bincount(inv, minlength=len(uniq))
                 vol = t.sizes.prod(axis=1) * isz
                 acc: dict[int, float] = defaultdict(float)
                 for r, u, v in zip(t.ranks.tolist(), inv.tolist(), vol.tolist()):

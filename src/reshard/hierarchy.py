@@ -149,7 +149,7 @@ def hierarchical_plan(source: Layout, destination: Layout, domains: Mapping[int,
 
 def _source_copies(st: PieceTable) -> int:
     """How many copies of each region the source holds (pieces per distinct box)."""
-    return len(st) // max(len(np.unique(np.concatenate([st.offsets, st.sizes], axis=1), axis=0)), 1)
+    return len(st) // max(len(st.box_copies()[1]), 1)
 
 
 def _with_tables(layout: Layout, tables: Mapping[str, PieceTable]) -> Layout:

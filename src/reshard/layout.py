@@ -157,6 +157,14 @@ class PieceTable:
         b = self.buffers
         return b[0] if b and b.count(b[0]) == len(b) else None
 
+    def box_copies(self) -> tuple[np.ndarray, np.ndarray]:
+        """(index of each piece's distinct box, how many pieces hold each distinct box): replicas."""
+        if not len(self):
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        _, inv, counts = np.unique(np.concatenate([self.offsets, self.sizes], axis=1), axis=0,
+                                   return_inverse=True, return_counts=True)
+        return inv.reshape(-1), counts
+
     def geometry_key(self) -> bytes:
         """Bytes identifying ranks and boxes (not buffers): equal keys plan alike."""
         key = self._geometry

@@ -115,9 +115,8 @@ def _exclusive_source_bytes(p: Plan) -> dict[int, float]:
         st = p.source.tables[name]
         if not len(st):
             continue
-        boxes = np.concatenate([st.offsets, st.sizes], axis=1)
-        _, inv, count = np.unique(boxes, axis=0, return_inverse=True, return_counts=True)
-        alone = count[inv.reshape(-1)] == 1
+        inv, count = st.box_copies()
+        alone = count[inv] == 1
         if not alone.any():
             continue
         isz = p.destination.uniform_itemsize(name) or p.destination.specs[name].dtype.itemsize
