@@ -39,7 +39,7 @@ from typing import Mapping
 import numpy as np
 
 from .gc_pause import without_gc
-from .layout import Layout, PieceTable, Repeated, itemsize
+from .layout import Layout, PieceTable, Repeated, itemsize, read_only
 from .plan import Plan, domain_array
 
 AUTO = "auto"
@@ -160,10 +160,7 @@ def _with_tables(layout: Layout, tables: Mapping[str, PieceTable]) -> Layout:
 def _rows_of(t: PieceTable, rows: np.ndarray) -> tuple[np.ndarray, ...]:
     """Read-only ranks, offsets, sizes of ``rows``: shared by the tables of every tensor with
     this geometry and receiver choice (the planner then sees one geometry by identity)."""
-    arrays = (t.ranks[rows], t.offsets[rows], t.sizes[rows])
-    for a in arrays:
-        a.flags.writeable = False
-    return arrays
+    return read_only((t.ranks[rows], t.offsets[rows], t.sizes[rows]))
 
 
 def _subset(t: PieceTable, rows: np.ndarray, shared: tuple[np.ndarray, ...]) -> PieceTable:

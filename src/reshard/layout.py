@@ -137,6 +137,13 @@ class Repeated(abc.Sequence):
         return (Repeated, (self.name, self.n))
 
 
+def read_only(arrays: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
+    """``arrays``, marked read-only: piece arrays that the tables of many tensors share."""
+    for a in arrays:
+        a.flags.writeable = False
+    return arrays
+
+
 @dataclass(eq=False, slots=True)
 class PieceTable:
     """All pieces of one tensor in one layout, as numpy arrays (row i = piece i); treat as read-only

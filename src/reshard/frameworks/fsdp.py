@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from ..gc_pause import without_gc
-from ..layout import Layout, LayoutError, PieceTable, TensorSpec
+from ..layout import Layout, LayoutError, PieceTable, TensorSpec, read_only
 from . import framework_layout
 from ..models.arch import Arch, model_specs
 from ..placements import Replicate, Shard, StridedShard
@@ -141,8 +141,7 @@ def fsdp_layout(
             probe = TensorSpec("_", spec.shape, spec.dtype)
             lay = Layout.from_placements(probe, ranks, mesh, placements, "chunk")
             t = lay.tables["_"]
-            for x in (t.ranks, t.offsets, t.sizes, t.buffer_offsets):
-                x.flags.writeable = False
+            read_only((t.ranks, t.offsets, t.sizes, t.buffer_offsets))
             tpl = templates[key] = (t, {r: lay.buffers(r)["_"][0] for r in ranks})
         t, shapes = tpl
         tables[spec.name] = PieceTable(t.ranks, t.offsets, t.sizes, (spec.name,) * len(t), t.buffer_offsets)

@@ -86,7 +86,7 @@ import numpy as np
 import torch
 
 from ..gc_pause import without_gc
-from ..layout import Layout, LayoutError, PieceTable, Repeated
+from ..layout import Layout, LayoutError, PieceTable, Repeated, read_only
 from . import framework_layout
 from ..models.arch import Arch, model_specs
 
@@ -515,10 +515,9 @@ def megatron_layout(
         if arrays is None:
             reps = dense_grid[e.stage] if e.grid == _DENSE else expert_grid[e.stage, e.ep_rank]  # [replicas, n]
             nrep = reps.shape[0]
-            arrays = (np.ascontiguousarray(reps[:, kind.coord].reshape(-1)), np.tile(kind.offsets, (nrep, 1)),
-                      np.tile(kind.sizes, (nrep, 1)), np.tile(kind.boffs, (nrep, 1)))
-            for x in arrays:
-                x.flags.writeable = False
+            arrays = read_only((np.ascontiguousarray(reps[:, kind.coord].reshape(-1)),
+                                np.tile(kind.offsets, (nrep, 1)), np.tile(kind.sizes, (nrep, 1)),
+                                np.tile(kind.boffs, (nrep, 1))))
             placed[pkey] = arrays
         parts.setdefault(e.hf, []).append((arrays, e.buffer))
         bdtype = torch.float32 if e.fp32 else (dtype or spec.dtype)

@@ -64,7 +64,7 @@ import torch
 
 from . import engine_ranks
 from ..gc_pause import without_gc
-from ..layout import Layout, LayoutError, PieceTable, Repeated, TensorSpec
+from ..layout import Layout, LayoutError, PieceTable, Repeated, TensorSpec, read_only
 from . import framework_layout
 from ..models.arch import Arch, model_specs
 
@@ -189,14 +189,6 @@ def _check(a: Arch, tp: int, dp: int, independent: bool, ep: bool, shared_replic
         need(a.shared_experts * a.moe_intermediate, tp, "shared-expert intermediate size")
 
 
-def _frozen(arrays: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
-    """Mark cached geometry arrays read-only: many tables share them (and the planner may then
-    recognise a shared geometry by identity)."""
-    for a in arrays:
-        a.flags.writeable = False
-    return arrays
-
-
 class _Builder:
     """Per-tensor piece tables, vectorized over ranks; identical geometries share arrays."""
 
@@ -270,7 +262,7 @@ class _Builder:
             boffs = np.zeros((self.n, nd), np.int64)
             boffs[:, 0] = row
             g = (self.ranks, np.zeros((self.n, nd), np.int64), np.tile(np.array(shape, np.int64), (self.n, 1)), boffs)
-            self._cache[key] = g = _frozen(g)
+            self._cache[key] = g = read_only(g)
         return g
 
     def _rows(self, shape: tuple[int, ...], parts: int, rep: int = 1, row: int = 0) -> tuple[np.ndarray, ...]:
@@ -284,7 +276,7 @@ class _Builder:
             boffs = np.zeros((self.n, 2), np.int64)
             boffs[:, 0] = row
             g = (self.ranks, offsets, np.tile(np.array([s, shape[1]], np.int64), (self.n, 1)), boffs)
-            self._cache[key] = g = _frozen(g)
+            self._cache[key] = g = read_only(g)
         return g
 
     def _cols(self, shape: tuple[int, ...]) -> tuple[np.ndarray, ...]:
@@ -297,7 +289,7 @@ class _Builder:
             offsets[:, 1] = self.t * s
             g = (self.ranks, offsets, np.tile(np.array([shape[0], s], np.int64), (self.n, 1)),
                  np.zeros((self.n, 2), np.int64))
-            self._cache[key] = g = _frozen(g)
+            self._cache[key] = g = read_only(g)
         return g
 
     def _vocab(self, shape: tuple[int, ...]) -> tuple[np.ndarray, ...]:
@@ -314,7 +306,7 @@ class _Builder:
             offsets[:, 0] = start[keep]
             sizes = np.stack([real[keep], np.full(k, h, np.int64)], axis=1)
             g = (self.ranks[keep], offsets, sizes, np.zeros((k, 2), np.int64))
-            self._cache[key] = g = _frozen(g)
+            self._cache[key] = g = read_only(g)
         return g
 
     def _expert(self, e: int, which: str) -> tuple[np.ndarray, ...]:
@@ -337,7 +329,7 @@ class _Builder:
                 boffs[:, :, 0] = np.arange(a.experts)[:, None]
                 if which == "up":
                     boffs[:, :, 1] = s
-                g = _frozen((self.ranks, offsets, np.tile(sizes, (self.n, 1)), boffs))
+                g = read_only((self.ranks, offsets, np.tile(sizes, (self.n, 1)), boffs))
                 self._cache[key] = g = g[:3] + (list(g[3]),)  # one view per expert, reused by every layer
             return g[0], g[1], g[2], g[3][e]
         key = ("xep", which)
@@ -350,7 +342,7 @@ class _Builder:
             boffs[:, :, 0] = self.local[:, None]
             if which == "up":
                 boffs[:, :, 1] = a.moe_intermediate
-            g = _frozen((self.ranks[idx], np.zeros((groups, 2), np.int64),
+            g = read_only((self.ranks[idx], np.zeros((groups, 2), np.int64),
                          np.tile(np.array(shape, np.int64), (groups, 1)), boffs))
             self._cache[key] = g = (list(g[0]), g[1], g[2], list(g[3]))  # per-expert views, reused by every layer
         return g[0][e], g[1], g[2], g[3][e]
