@@ -46,11 +46,11 @@ from rich.table import Table
 
 import reshard as rs
 from reshard import verify
-from reshard.cost import model_time, traffic_from_pairs, traffic_from_plan
-from reshard.demo_model import QWEN3_0_6B, demo_layouts
-from reshard.local import pack, unpack
-from reshard.schedule import Copy, Message
-from reshard.topology import CPU_MEASURED, Placement, cpu_topology
+from reshard.modeling.cost import model_time, traffic_from_pairs, traffic_from_plan
+from reshard.models.demo_model import QWEN3_0_6B, demo_layouts
+from reshard.execution.local import pack, unpack
+from reshard.planning.schedule import Copy, Message
+from reshard.modeling.topology import CPU_MEASURED, Placement, cpu_topology
 
 from bench_refit import parse_configs, print_header  # noqa: E402  (benchmarks/ is on the path when run as a script)
 

@@ -35,8 +35,8 @@ from rich.console import Console
 from rich.table import Table
 
 import reshard as rs
-from reshard.demo import GATHER_BROADCAST, RESHARD, DemoConfig, failures, run_demo
-from reshard.demo_model import QWEN3_0_6B, demo_layouts
+from reshard.apps.demo import GATHER_BROADCAST, RESHARD, DemoConfig, failures, run_demo
+from reshard.models.demo_model import QWEN3_0_6B, demo_layouts
 
 MiB = 1 << 20
 # name: (sources M, tp, dp)

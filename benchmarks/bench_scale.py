@@ -31,8 +31,8 @@ CASES = {
 
 _CHILD = r"""
 import json, resource, sys, time
-from reshard.plan_report import build_refit
-from reshard.plan import plan
+from reshard.apps.report import build_refit
+from reshard.planning.plan import plan
 model, train, infer, mode = sys.argv[1:5]
 t0 = time.perf_counter()
 refit = build_refit(model, train, infer)

@@ -44,7 +44,7 @@ import torch
 from hypothesis import strategies as st
 
 import reshard as rs
-from reshard.layout import Piece, box_slices, buffer_view
+from reshard.tensors import Piece, box_slices, buffer_view
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INT_DTYPES = (torch.int32, torch.int64, torch.int16)

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import reshard as rs
-from reshard.cost import (Demand, broadcast_chain, gather_broadcast_time, gather_broadcast_time_of, gather_inputs,
+from reshard.modeling.cost import (Demand, broadcast_chain, gather_broadcast_time, gather_broadcast_time_of, gather_inputs,
                           lower_bound, model_time, traffic_from_pairs, traffic_from_plan)
-from reshard.topology import Placement, Topology
+from reshard.modeling.topology import Placement, Topology
 
 GB = 1e9
 

@@ -5,9 +5,9 @@ import torch
 
 import reshard as rs
 from reshard import verify
-from reshard.cli import build_parser, main, model_from_args
-from reshard.demo import GATHER_BROADCAST, RESHARD, DemoConfig, failures, run_demo
-from reshard.demo_model import QWEN3_0_6B, ModelConfig, demo_layouts, model_specs
+from reshard.apps.cli import build_parser, main, model_from_args
+from reshard.apps.demo import GATHER_BROADCAST, RESHARD, DemoConfig, failures, run_demo
+from reshard.models.demo_model import QWEN3_0_6B, ModelConfig, demo_layouts, model_specs
 
 TINY = ModelConfig(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab=256)
 
@@ -152,8 +152,8 @@ def test_demo_named_model_megatron_moe_to_vllm_bit_exact():
 def test_hierarchical_method_crosses_domains_once_per_replica_set():
     """2 data-parallel replicas of TP 2 in one pretend NVLink domain: the hierarchical refit takes
     each byte into the domain once (half of what the direct plan sends across), bit-exact."""
-    from reshard.demo import HIERARCHICAL, demo_domains
-    from reshard.hierarchy import domain_need_bytes
+    from reshard.apps.demo import HIERARCHICAL, demo_domains
+    from reshard.planning.hierarchy import domain_need_bytes
 
     cfg = DemoConfig(model=TINY, sources=2, tp=2, dp=2, methods=(RESHARD, HIERARCHICAL), progress=False,
                      max_bucket_bytes=1 << 14)

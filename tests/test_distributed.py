@@ -91,8 +91,8 @@ def _run_hierarchical(rank, world):
     """Pretend NVLink domains {2, 3} and {4, 5} of destinations (sources 0 and 1 each alone):
     ``a`` is replicated on all four, ``b`` sharded over 2 and replicated within each domain, so
     every domain takes each byte it needs over the "network" once and forwards the rest."""
-    from reshard.executor import HierarchicalExecutor
-    from reshard.hierarchy import domain_need_bytes, hierarchical_plan
+    from reshard.execution.direct import HierarchicalExecutor
+    from reshard.planning.hierarchy import domain_need_bytes, hierarchical_plan
 
     a = rs.TensorSpec("a", (12, 6), torch.bfloat16)
     b = rs.TensorSpec("b", (8, 5), torch.float32)

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import reshard as rs
-from reshard.hierarchy import domain_need_bytes, hierarchical_plan
+from reshard.planning.hierarchy import domain_need_bytes, hierarchical_plan
 
 try:
     import strategies as S

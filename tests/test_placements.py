@@ -7,8 +7,6 @@ with torch's ``Shard._split_tensor`` / ``_StridedShard._split_tensor``.
 
 from __future__ import annotations
 
-import doctest
-import importlib
 import itertools
 import math
 
@@ -261,10 +259,3 @@ def test_from_torch_placement():
     assert from_torch_placement(TShard(1)) == rs.Shard(1)
     assert from_torch_placement(TReplicate()) == rs.Replicate()
     assert from_torch_placement(_StridedShard(0, split_factor=3)) == rs.StridedShard(0, 3)
-
-
-@pytest.mark.parametrize("module", ["reshard.layout", "reshard.placements", "reshard.intersect", "reshard.plan",
-                                    "reshard.schedule", "reshard.local"])
-def test_module_doctests(module):
-    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
-    assert result.failed == 0

@@ -3,8 +3,8 @@
 import pytest
 
 import reshard as rs
-from reshard.cli import main
-from reshard.plan_report import build_refit, parse_parallel, summarize
+from reshard.apps.cli import main
+from reshard.apps.report import build_refit, parse_parallel, summarize
 
 
 def test_plan_summary_qwen3_moe(capsys):

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import reshard as rs
-from reshard.layout import Piece
+from reshard.tensors import Piece
 
 try:
     import strategies as S

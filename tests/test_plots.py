@@ -5,11 +5,11 @@ import struct
 import pytest
 
 import reshard as rs
-from reshard.cli import main
-from reshard.cost import model_time, traffic_from_pairs
-from reshard.demo_model import QWEN3_0_6B, demo_layouts
-from reshard.plots import plot_link_load, plot_pair_bytes, write_plan_plots
-from reshard.topology import Placement, Topology
+from reshard.apps.cli import main
+from reshard.modeling.cost import model_time, traffic_from_pairs
+from reshard.models.demo_model import QWEN3_0_6B, demo_layouts
+from reshard.modeling.plots import plot_link_load, plot_pair_bytes, write_plan_plots
+from reshard.modeling.topology import Placement, Topology
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

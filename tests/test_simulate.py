@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from reshard.cli import main
-from reshard.simulate import CASES, plot, simulate_case
+from reshard.apps.cli import main
+from reshard.apps.simulate import CASES, plot, simulate_case
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from reshard.topology import Placement, Topology, parse_bandwidth, parse_duration
+from reshard.modeling.topology import Placement, Topology, parse_bandwidth, parse_duration
 
 
 def test_presets_match_the_spec_sheets():

@@ -10,7 +10,7 @@ import torch
 
 import reshard as rs
 from reshard import Piece
-from reshard.layout import box_str
+from reshard.tensors import box_str
 
 W = rs.TensorSpec("w", (10, 6), torch.float32)
 

@@ -1,13 +1,14 @@
 """reshard: move weights from M training ranks to N inference ranks, each side sharded its own way."""
 
-from .executor import ReshardExecutor, RunStats, execute
-from .gather_broadcast import GatherBroadcastExecutor, gather_broadcast_bytes
-from .layout import Layout, LayoutError, Piece, TensorSpec
-from .local import run_local
+from .execution.direct import ReshardExecutor, RunStats, execute
+from .execution.gather_broadcast import GatherBroadcastExecutor, gather_broadcast_bytes
+from .execution.local import run_local
+from .execution.process_group import init_process_group, spawn
+from .layout import Layout
 from .placements import Replicate, Shard, StridedShard, split_sizes
-from .plan import Plan, RankPlan, plan
-from .process_group import init_process_group, spawn
-from .schedule import Copy, Message
+from .planning.plan import Plan, RankPlan, plan
+from .planning.schedule import Copy, Message
+from .tensors import LayoutError, Piece, TensorSpec
 
 __all__ = [
     "GatherBroadcastExecutor", "ReshardExecutor", "RunStats", "execute", "gather_broadcast_bytes",

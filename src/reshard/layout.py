@@ -15,80 +15,20 @@ Example: a (4, 6) tensor ``w`` row-sharded over ranks 0 and 1::
 Everything here is pure data: no process group, no device.
 """
 
+
 from __future__ import annotations
 
 import itertools
-import math
 from collections import abc, defaultdict
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Iterable, Mapping, NamedTuple, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .placements import Placement
-
-
-class LayoutError(ValueError):
-    """A layout or a pair of layouts is invalid; the message names tensor, rank and box."""
-
-
-def dtype_class(dtype: torch.dtype) -> str:
-    """'float', 'complex', 'bool' or 'int': a cast within one class is allowed."""
-    if dtype == torch.bool:
-        return "bool"
-    if dtype.is_complex:
-        return "complex"
-    if dtype.is_floating_point:
-        return "float"
-    return "int"
-
-
-def itemsize(dtype: torch.dtype) -> int:
-    return dtype.itemsize
-
-
-@dataclass(frozen=True, slots=True)
-class TensorSpec:
-    """A full weight as a checkpoint names it: ``TensorSpec("w", (10, 6), torch.float32)``."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    def __post_init__(self) -> None:
-        shape = self.shape
-        if type(shape) is not tuple or not all(type(s) is int and s >= 0 for s in shape):
-            shape = tuple(int(s) for s in shape)
-            object.__setattr__(self, "shape", shape)
-            if any(s < 0 for s in shape):
-                raise LayoutError(f"tensor {self.name!r}: negative size in shape {shape}")
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * itemsize(self.dtype)
-
-
-class Piece(NamedTuple):
-    """One box of ``tensor`` held by ``rank`` at ``buffer_offsets`` inside ``buffer``."""
-
-    tensor: str
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    buffer: str
-    buffer_offsets: tuple[int, ...]
-    rank: int
-
-
-def box_str(offsets: Sequence[int], sizes: Sequence[int]) -> str:
-    """``[0:2, 3:6]`` for offsets (0, 3), sizes (2, 3)."""
-    return "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(offsets, sizes)) + "]"
+from .placements import Placement, from_torch_placement, local_pieces
+from .tensors import LayoutError, Piece, TensorSpec, box_slices, box_str, buffer_view, dtype_class, itemsize
 
 
 class Repeated(abc.Sequence):
@@ -292,7 +232,7 @@ class Layout:
         spec: TensorSpec,
         ranks: Sequence[int],
         mesh_shape: Sequence[int],
-        placements: Sequence["Placement"],
+        placements: Sequence[Placement],
         split: str = "chunk",
         *,
         buffer: str | None = None,
@@ -305,8 +245,6 @@ class Layout:
         The buffer is named after the tensor unless ``buffer`` is given; its dtype is the
         tensor's unless ``dtype`` is given (e.g. bf16 inference copies of fp32 weights).
         """
-        from .placements import local_pieces
-
         pieces, buffers = local_pieces(spec, ranks, mesh_shape, placements, split, buffer or spec.name,
                                        dtype or spec.dtype)
         return cls.from_pieces([spec], pieces, buffers)
@@ -318,8 +256,6 @@ class Layout:
         Every rank of the mesh gets its pieces (computed, not communicated), so any rank
         can call this and get the same layout.
         """
-        from .placements import from_torch_placement
-
         mesh = dtensor.device_mesh
         spec = TensorSpec(name, tuple(dtensor.shape), dtensor.dtype)
         ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
@@ -621,14 +557,3 @@ def _concat_ragged(arrays: list[np.ndarray], ndim: int) -> np.ndarray:
     if any(a.shape[1] != width for a in arrays):
         raise LayoutError("pieces of one tensor are placed in buffers with different numbers of dims")
     return np.concatenate(arrays)
-
-
-def box_slices(offsets: Sequence[int], sizes: Sequence[int]) -> tuple[slice, ...]:
-    return tuple(slice(int(o), int(o) + int(s)) for o, s in zip(offsets, sizes))
-
-
-def buffer_view(buf: torch.Tensor, buffer_offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
-    """The view of ``buf`` a piece occupies, shaped like its box (leading buffer dims dropped)."""
-    lead = len(buffer_offsets) - len(sizes)
-    index = tuple(int(o) for o in buffer_offsets[:lead]) + box_slices(buffer_offsets[lead:], sizes)
-    return buf[index]

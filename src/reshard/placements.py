@@ -26,7 +26,7 @@ from typing import Sequence
 
 import torch
 
-from .layout import LayoutError, Piece, TensorSpec
+from .tensors import LayoutError, Piece, TensorSpec
 
 SPLITS = ("chunk", "balanced", "even")
 
@@ -193,7 +193,8 @@ def local_pieces(spec: TensorSpec, ranks: Sequence[int], mesh_shape: Sequence[in
 
 def from_torch_placement(p) -> Placement:
     """Our twin of a torch DTensor placement (``Shard``, ``Replicate``, ``_StridedShard``)."""
-    from torch.distributed.tensor import Replicate as TReplicate, Shard as TShard
+    from torch.distributed.tensor import Replicate as TReplicate
+    from torch.distributed.tensor import Shard as TShard
 
     try:
         from torch.distributed.tensor.placement_types import _StridedShard

@@ -37,7 +37,8 @@ from typing import Mapping, Sequence
 
 import torch
 
-from .layout import Layout, box_str, buffer_view
+from .layout import Layout
+from .tensors import box_str, buffer_view
 
 SLAB = 1 << 22  # elements per step where scratch memory is needed (casts, checking)
 _MAX_REPORTED = 20

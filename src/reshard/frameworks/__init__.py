@@ -3,7 +3,7 @@ configuration into a :class:`reshard.Layout` of a model's logical (Hugging Face-
 
 import numpy as np
 
-from ..layout import LayoutError
+from ..tensors import LayoutError
 
 
 def engine_ranks(ranks, tp: int, dp: int, framework: str) -> np.ndarray:

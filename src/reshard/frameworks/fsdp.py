@@ -34,10 +34,11 @@ import numpy as np
 import torch
 
 from ..gc_pause import without_gc
-from ..layout import Layout, LayoutError, PieceTable, TensorSpec, read_only
-from . import framework_layout
+from ..layout import Layout, PieceTable, read_only
 from ..models.arch import Arch, model_specs
 from ..placements import Replicate, Shard, StridedShard
+from ..tensors import LayoutError, TensorSpec
+from . import framework_layout
 
 COLWISE, ROWWISE, REPLICATE = "colwise", "rowwise", "replicate"
 

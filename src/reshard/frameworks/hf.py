@@ -68,12 +68,12 @@ from typing import Mapping, NamedTuple, Sequence
 import numpy as np
 import torch
 
-from . import engine_ranks
 from ..gc_pause import without_gc
-from ..layout import Layout, LayoutError, PieceTable, TensorSpec
-from . import framework_layout
+from ..layout import Layout, PieceTable
 from ..models.arch import Arch, get_arch, model_specs
 from ..placements import Placement, Replicate, Shard, StridedShard, _local_runs
+from ..tensors import LayoutError, TensorSpec
+from . import engine_ranks, framework_layout
 
 TRANSFORMERS_VERSION = "5.19.0"  # the version whose plans and parameter forms this module follows
 # model.tp_plan of the causal-LM classes in transformers 5.19.0: the config's base_model_tp_plan

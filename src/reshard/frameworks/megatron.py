@@ -86,9 +86,10 @@ import numpy as np
 import torch
 
 from ..gc_pause import without_gc
-from ..layout import Layout, LayoutError, PieceTable, Repeated, read_only
-from . import framework_layout
+from ..layout import Layout, PieceTable, Repeated, read_only
 from ..models.arch import Arch, model_specs
+from ..tensors import LayoutError
+from . import framework_layout
 
 ALIAS = "#"
 TRANSFORMER_IMPLS = ("transformer_engine", "local")

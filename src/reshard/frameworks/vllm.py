@@ -62,11 +62,11 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from . import engine_ranks
 from ..gc_pause import without_gc
-from ..layout import Layout, LayoutError, PieceTable, Repeated, TensorSpec, read_only
-from . import framework_layout
+from ..layout import Layout, PieceTable, Repeated, read_only
 from ..models.arch import Arch, model_specs
+from ..tensors import LayoutError, TensorSpec
+from . import engine_ranks, framework_layout
 
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 EXPERT_PLACEMENTS = ("linear", "round_robin")

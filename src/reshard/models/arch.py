@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import functools
 import re
-
 from dataclasses import asdict, dataclass, replace
 from typing import Mapping
 
 import torch
 
 from ..gc_pause import without_gc
-from ..layout import LayoutError, TensorSpec
+from ..tensors import LayoutError, TensorSpec
 
 FAMILIES = ("llama", "qwen3", "qwen3_moe", "deepseek_v3")
 

@@ -7,12 +7,12 @@ Two PNGs (matplotlib, Agg backend: no display needed):
   are grouped into blocks of consecutive ranks (one per node when that fits) and a
   cell shows the block's total.
 - :func:`plot_link_load`: per GPU, the seconds each link kind needs at its bandwidth
-  (NIC out, NIC in, NVLink out, NVLink in; from a :class:`~reshard.cost.Traffic`),
+  (NIC out, NIC in, NVLink out, NVLink in; from a :class:`~reshard.modeling.cost.Traffic`),
   the bottleneck marked. Above ``max_bars`` GPUs, bars show the busiest GPU of each
   block (node or domain).
 
->>> from reshard.topology import Placement, Topology
->>> from reshard.cost import traffic_from_pairs
+>>> from reshard.modeling.topology import Placement, Topology
+>>> from reshard.modeling.cost import traffic_from_pairs
 >>> place = Placement.contiguous(Topology.preset("dgx-h100"), 2, 2)
 >>> tr = traffic_from_pairs([{(0, 2): 10**9, (1, 3): 10**9}], place)
 >>> import tempfile, pathlib

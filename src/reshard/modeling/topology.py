@@ -3,7 +3,7 @@
 A *topology* describes one kind of machine: GPUs grouped into nodes (what a tray or
 a server holds) and NVLink domains (GPUs that reach each other over NVLink), one
 NIC per GPU, and the speed of every link kind. A *placement* says which GPU each
-refit rank runs on. Both are plain data: the cost model (:mod:`reshard.cost`) and
+refit rank runs on. Both are plain data: the cost model (:mod:`reshard.modeling.cost`) and
 the plots read them; nothing here touches a process group.
 
 Presets (bandwidths per GPU, per direction; sources in ``docs/cost_model.md``)::
@@ -264,7 +264,7 @@ CPU_MEASURED = dict(
     host_bytes_per_s=2.638e9,  # every process of the group in a pair, all at once, total
     net_latency_s=8.188e-5,  # median one-way time of a 1-byte ping-pong
     launch_latency_s=0.0,
-    copy_bytes_per_s=7.854e9,  # reshard.local.pack + unpack, 2 MiB messages, one reused staging buffer, one thread
+    copy_bytes_per_s=7.854e9,  # reshard.execution.local.pack + unpack, 2 MiB messages, one reused staging buffer, one thread
     message_overhead_s=1.773e-4,  # CPU per message end: 4 processes messaging each other, back to back
     copy_overhead_s=8.923e-6,  # per box packed or unpacked
     host_cores=2,

@@ -19,11 +19,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .gather_broadcast import gather_broadcast_bytes
-from .layout import Layout, LayoutError
-from .models import Arch, category, get_arch
-from .models.arch import CATEGORIES
-from .plan import Plan, plan
+from ..execution.gather_broadcast import gather_broadcast_bytes
+from ..layout import Layout
+from ..models import Arch, category, get_arch
+from ..models.arch import CATEGORIES
+from ..planning.plan import Plan, plan
+from ..tensors import LayoutError
 
 _TRAIN_KEYS = {"tp", "pp", "ep", "etp", "cp", "dp", "hsdp"}
 _INFER_KEYS = {"tp", "dp", "ep"}
@@ -67,9 +68,9 @@ def build_refit(model: str | Arch, train: str, infer: str, *, source_dtype: torc
     side keeps the model's). ``colocate``: inference ranks are ``0..N-1``, sharing GPUs with the
     training ranks ``0..M-1`` (else they are ``M..M+N-1``).
     """
-    from .frameworks.fsdp import fsdp_layout
-    from .frameworks.megatron import megatron_layout, suggest_pp_layers
-    from .frameworks.vllm import vllm_layout
+    from ..frameworks.fsdp import fsdp_layout
+    from ..frameworks.megatron import megatron_layout, suggest_pp_layers
+    from ..frameworks.vllm import vllm_layout
 
     arch = get_arch(model) if isinstance(model, str) else model
     t0 = time.perf_counter()

@@ -8,7 +8,7 @@ forwarded from there over NVLink::
     phase 1 (network)   sources   -> receivers        Plan(source, receivers, domains)
     phase 2 (NVLink)    receivers -> the other ranks   Plan(receivers, rest, domains)
 
-Both phases are ordinary :class:`~reshard.plan.Plan` objects; phase 2 reads the destination
+Both phases are ordinary :class:`~reshard.planning.plan.Plan` objects; phase 2 reads the destination
 buffers that phase 1 filled. Example: two sources each hold all of ``w``, four destinations
 each need all of it, domains ``{2, 3}`` and ``{4, 5}``::
 
@@ -20,7 +20,7 @@ of it (:func:`split_relays`): the sources send it to as many *seed* domains as t
 copies, and the seeds' receivers send it on to the other domains' over the network, whose
 inference-side NICs are otherwise idle in phase 1.
 
-Sources are chosen with ``domains`` (see :class:`~reshard.plan.Plan`): a replica inside the
+Sources are chosen with ``domains`` (see :class:`~reshard.planning.plan.Plan`): a replica inside the
 destination's domain is used when there is one, else the replica with the least traffic out
 of its domain so far. Boxes of at least ``split_bytes`` that several source replicas hold are
 cut along their first dim into one part per replica, so that one big box does not load one
@@ -38,8 +38,9 @@ from typing import Mapping
 
 import numpy as np
 
-from .gc_pause import without_gc
-from .layout import Layout, PieceTable, Repeated, itemsize, read_only
+from ..gc_pause import without_gc
+from ..layout import Layout, PieceTable, Repeated, read_only
+from ..tensors import itemsize
 from .plan import Plan, domain_array
 
 AUTO = "auto"
@@ -65,7 +66,7 @@ class HierarchicalPlan:
 
     @property
     def phase_pair_bytes(self) -> list[dict[tuple[int, int], int]]:
-        """``[{(src, dst): bytes}]`` per phase, the input of :func:`reshard.cost.traffic_from_pairs`."""
+        """``[{(src, dst): bytes}]`` per phase, the input of :func:`reshard.modeling.cost.traffic_from_pairs`."""
         return [p.pair_bytes for p in self.phases]
 
     @cached_property

@@ -1,7 +1,7 @@
 """Cost model: how long a refit takes on a topology, the gather-and-broadcast baseline, the lower bound.
 
-Pure numpy: plain data in (bytes per rank pair, a :class:`~reshard.topology.Placement`,
-a :class:`~reshard.topology.Topology`), plain data out. Every formula and assumption
+Pure numpy: plain data in (bytes per rank pair, a :class:`~reshard.modeling.topology.Placement`,
+a :class:`~reshard.modeling.topology.Topology`), plain data out. Every formula and assumption
 is in ``docs/cost_model.md``; the short version:
 
 **Traffic.** A refit is a list of phases (a plain plan has one; a hierarchical one
@@ -28,7 +28,7 @@ j of phase p-1 and round j-1 of phase p are both done (``F[p,j] = max(F[p-1,j],
 F[p,j-1]) + t[p,j]``; the total is ``F[last, last]``). Pipelined phases are assumed
 to use different links (network, then NVLink).
 
->>> from reshard.topology import Placement, Topology
+>>> from reshard.modeling.topology import Placement, Topology
 >>> topo = Topology.preset("dgx-h100").with_(net_latency_s=0, launch_latency_s=0, message_overhead_s=0)
 >>> place = Placement.contiguous(topo, 8, 8)           # training on node 0, inference on node 1
 >>> tr = traffic_from_pairs([{(0, 8): 50_000_000_000}], place, topo)
@@ -44,7 +44,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from . import schedule
+from ..planning import schedule
 from .topology import Placement, Topology
 
 #: link kinds, in the order of the ``bytes``/``messages`` arrays
@@ -154,7 +154,7 @@ def _link_kind(placement: Placement, src: np.ndarray, dst: np.ndarray) -> tuple[
 
 
 def _staging_quotas(pairs: PairBytes, max_bucket_bytes: int) -> dict[tuple[int, int], int | None]:
-    """Per-round quota of each pair under the planner's rule (:func:`reshard.schedule.pair_quotas`), from
+    """Per-round quota of each pair under the planner's rule (:func:`reshard.planning.schedule.pair_quotas`), from
     payload bytes alone (the planner also counts each copy's alignment padding, unknown here)."""
     return schedule.pair_quotas({p: int(b) for p, b in pairs.items()}, max_bucket_bytes)
 
@@ -172,7 +172,7 @@ def traffic_from_pairs(phases: Sequence[PairBytes], placement: Placement, topolo
     one GPU become local copies. Copy counts stay 0 (unknown here; :func:`traffic_from_plan`
     has them).
 
-    >>> from reshard.topology import Placement, Topology
+    >>> from reshard.modeling.topology import Placement, Topology
     >>> place = Placement.contiguous(Topology.preset("dgx-h100"), 2, 2, infer_start="domain")
     >>> place.gpu_of.tolist()                          # ranks 2, 3 infer on the second node
     [0, 1, 8, 9]
@@ -226,7 +226,7 @@ def traffic_from_pairs(phases: Sequence[PairBytes], placement: Placement, topolo
 
 
 def traffic_from_plan(plan, placement: Placement, topology: Topology | None = None) -> Traffic:
-    """Exact link load of a plan as :class:`~reshard.executor.ReshardExecutor` runs it: one phase,
+    """Exact link load of a plan as :class:`~reshard.execution.direct.ReshardExecutor` runs it: one phase,
     every rank's messages by round (``plan.for_rank``), copy counts, local copies with round 0's
     packing and fan-out copies with the last round's unpacking. Builds every rank's part: meant
     for plans a test or a benchmark runs."""
@@ -490,7 +490,7 @@ def gather_broadcast_time(tensor_bytes: Sequence[int], gather_sends: Sequence[Ma
     see :func:`broadcast_chain`): ``launch + hop latencies + bytes x (seconds per byte of the
     chain's slowest link)``.
 
-    >>> from reshard.topology import Placement, Topology
+    >>> from reshard.modeling.topology import Placement, Topology
     >>> topo = Topology.preset("dgx-h100").with_(net_latency_s=0, nvlink_latency_s=0, launch_latency_s=0,
     ...                                         message_overhead_s=0, copy_bytes_per_s=float("inf"))
     >>> place = Placement.contiguous(topo, 8, 8)
@@ -610,8 +610,8 @@ def gather_inputs(plan, root: int | None = None) -> tuple[list[str], list[int], 
 def gather_broadcast_time_of(plan, placement: Placement, topology: Topology | None = None, *,
                              root: int | None = None, bucket_bytes: int | None = None,
                              channels: int = 16) -> Estimate:
-    """:func:`gather_broadcast_time` of a :class:`~reshard.plan.Plan` (root: the lowest source rank,
-    as :class:`~reshard.gather_broadcast.GatherBroadcastExecutor` picks)."""
+    """:func:`gather_broadcast_time` of a :class:`~reshard.planning.plan.Plan` (root: the lowest source rank,
+    as :class:`~reshard.execution.gather_broadcast.GatherBroadcastExecutor` picks)."""
     root = min(plan.source.ranks) if root is None else root
     _, sizes, sends = gather_inputs(plan, root)
     return gather_broadcast_time(sizes, sends, root, plan.destination.ranks, placement, topology,
@@ -681,7 +681,7 @@ def lower_bound(demand: Demand, placement: Placement, topology: Topology | None 
     gather-and-broadcast; a scheme that relays source bytes through a peer's NIC could beat the
     two source terms).
 
-    >>> from reshard.topology import Placement, Topology
+    >>> from reshard.modeling.topology import Placement, Topology
     >>> place = Placement.contiguous(Topology.preset("dgx-h100"), 8, 16)   # inference on domains 1, 2
     >>> lower_bound(Demand(domain_ingress_bytes={1: 400e9, 2: 100e9}), place).seconds  # 400 GB / (8 x 50 GB/s)
     1.0

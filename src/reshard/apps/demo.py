@@ -23,14 +23,14 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from . import verify
-from .demo_model import QWEN3_0_6B, DemoLayouts, ModelConfig, demo_layouts
-from .models.arch import Arch, get_arch
-from .executor import HierarchicalExecutor, ReshardExecutor, RunStats
-from .gather_broadcast import GatherBroadcastExecutor
-from .hierarchy import cross_domain_bytes, hierarchical_plan
-from .plan import plan as make_plan
-from .process_group import spawn
+from .. import verify
+from ..execution.direct import HierarchicalExecutor, ReshardExecutor, RunStats
+from ..execution.gather_broadcast import GatherBroadcastExecutor
+from ..execution.process_group import spawn
+from ..models.arch import Arch, get_arch
+from ..models.demo_model import QWEN3_0_6B, DemoLayouts, ModelConfig, demo_layouts
+from ..planning.hierarchy import cross_domain_bytes, hierarchical_plan
+from ..planning.plan import plan as make_plan
 
 RESHARD, GATHER_BROADCAST, HIERARCHICAL = "reshard", "gather-broadcast", "hierarchical"
 METHODS = (RESHARD, GATHER_BROADCAST, HIERARCHICAL)
@@ -53,7 +53,7 @@ class DemoConfig:
     seed: int = 0
     methods: tuple[str, ...] = DEFAULT_METHODS
     progress: bool = True
-    # a named model with real framework layouts (reshard.plan_report.build_refit) instead of the
+    # a named model with real framework layouts (reshard.apps.report.build_refit) instead of the
     # Qwen3-like model above: preset name (or an Arch), training and inference configs
     preset: str | Arch | None = None
     train: str | None = None
@@ -93,8 +93,8 @@ class DemoConfig:
         if self.preset is None:
             return demo_layouts(self.model, self.sources, self.tp, self.dp, colocate=self.colocate,
                                 src_dtype=self.source_dtype)
-        from .models.arch import model_specs
-        from .plan_report import build_refit
+        from ..models.arch import model_specs
+        from .report import build_refit
 
         refit = build_refit(self.arch, self.train_spec, self.infer_spec, source_dtype=self.source_dtype,
                             colocate=self.colocate)
@@ -139,8 +139,14 @@ class _Phases:
         self.seconds: dict[str, float] = {}
         self.progress = None
         if show:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, \
-                TimeElapsedColumn
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                SpinnerColumn,
+                TextColumn,
+                TimeElapsedColumn,
+            )
 
             self.progress = Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(),
                                      MofNCompleteColumn(), TimeElapsedColumn(), transient=True)

@@ -28,8 +28,9 @@ from typing import Sequence
 
 import torch
 
-from .layout import Layout, LayoutError, TensorSpec
-from .placements import Replicate, Shard
+from ..layout import Layout
+from ..placements import Replicate, Shard
+from ..tensors import LayoutError, TensorSpec
 
 COLUMN, ROW, REPLICATED = "column", "row", "replicated"
 

@@ -11,7 +11,7 @@ Among source replicas, each remote copy goes to the candidate rank with the leas
 bytes to send so far (largest copies first); copies of many tensors sharing one
 geometry are dealt round-robin over the replicas. Given ``domains`` (rank -> NVLink
 domain), a replica in the destination's own domain is preferred and the balanced load
-is each rank's traffic out of its domain (see :mod:`reshard.hierarchy`).
+is each rank's traffic out of its domain (see :mod:`reshard.planning.hierarchy`).
 
 Per-rank view (``plan.for_rank(r)``)::
 
@@ -33,9 +33,10 @@ from typing import Mapping
 
 import numpy as np
 
-from .gc_pause import without_gc
+from ..gc_pause import without_gc
+from ..layout import Layout, Repeated
+from ..tensors import LayoutError, dtype_class
 from .intersect import FANOUT, LOCAL, REMOTE, TensorItems, tensor_items
-from .layout import Layout, LayoutError, Repeated, dtype_class
 from .schedule import ALIGN, Copy, Message, chunk_stream, pair_quotas
 
 PLAN_FORMAT = 2  # 2: staging quotas in proportion to each stream's bytes
@@ -151,7 +152,7 @@ def domain_array(domains: Mapping[int, int], ranks) -> np.ndarray:
 
 
 def _items_key(st, dt) -> bytes:
-    """What :func:`~reshard.intersect.tensor_items` depends on: the boxes of both sides, the
+    """What :func:`~reshard.planning.intersect.tensor_items` depends on: the boxes of both sides, the
     destination ranks, which source pieces share a rank, and where source ranks are also
     destination ranks; not the source rank numbers themselves (expert-parallel groups of
     every pipeline stage plan alike)."""
@@ -441,7 +442,7 @@ class Plan:
 
     @cached_property
     def quotas(self) -> dict[tuple[int, int], int | None]:
-        """Per-round staging quota of every (source, destination) stream (:func:`~reshard.schedule.pair_quotas`),
+        """Per-round staging quota of every (source, destination) stream (:func:`~reshard.planning.schedule.pair_quotas`),
         from its payload plus at most ``ALIGN - 1`` bytes of padding per copy; ``None`` without a cap."""
         copies = self._pair_copies
         return pair_quotas({p: b + (ALIGN - 1) * copies[p] for p, b in self.pair_bytes.items()}, self.max_bucket_bytes)

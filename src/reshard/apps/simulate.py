@@ -1,11 +1,11 @@
 """``reshard simulate``: modeled refit times of whole models at cluster scale, beside published figures.
 
 For each case the real layouts are built (Megatron-Core training, vLLM inference), planned
-twice, and the plans' bytes per link fed to the cost model (:mod:`reshard.cost`):
+twice, and the plans' bytes per link fed to the cost model (:mod:`reshard.modeling.cost`):
 
     ours, hierarchical   each NVLink domain takes what it lacks over the network once
                          (from a source, or relayed by another domain when the sources hold
-                         too few copies), then forwards over NVLink (:mod:`reshard.hierarchy`)
+                         too few copies), then forwards over NVLink (:mod:`reshard.planning.hierarchy`)
     ours, direct         one point-to-point phase, every destination from a source
     gather-broadcast     per bucket of tensors: gather on one training rank, NCCL ring
                          broadcast to every inference rank
@@ -23,10 +23,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .cost import Demand, gather_broadcast_time_of, lower_bound, model_time, traffic_from_pairs
-from .hierarchy import domain_need_bytes, hierarchical_plan
-from .plan import Plan
-from .topology import Placement, Topology
+from ..modeling.cost import (
+    Demand,
+    gather_broadcast_time_of,
+    lower_bound,
+    model_time,
+    traffic_from_pairs,
+)
+from ..modeling.topology import Placement, Topology
+from ..planning.hierarchy import domain_need_bytes, hierarchical_plan
+from ..planning.plan import Plan
 
 GiB = 1 << 30
 
@@ -128,7 +134,7 @@ def _exclusive_source_bytes(p: Plan) -> dict[int, float]:
 def simulate_case(case: Case, *, max_bucket_bytes: int = GiB, gather_bucket_bytes: int | None = GiB,
                   topology: Topology | None = None) -> Result:
     """Build, plan and model one case (tens of seconds for the biggest)."""
-    from .plan_report import build_refit
+    from .report import build_refit
 
     t0 = time.perf_counter()
     topo = topology or Topology.preset(case.topology)

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .layout import LayoutError, PieceTable, box_str
+from ..layout import PieceTable
+from ..tensors import LayoutError, box_str
 
 LOCAL, REMOTE, FANOUT = 0, 1, 2
 KIND_NAMES = {LOCAL: "local", REMOTE: "remote", FANOUT: "fanout"}

@@ -13,9 +13,9 @@ from typing import Mapping
 
 import torch
 
-from .layout import LayoutError, buffer_view
-from .plan import Plan
-from .schedule import Copy, Message, aligned
+from ..planning.plan import Plan
+from ..planning.schedule import Copy, Message, aligned
+from ..tensors import LayoutError, buffer_view
 
 Buffers = Mapping[str, torch.Tensor]
 
@@ -63,7 +63,7 @@ def run_local(plan: Plan, src_buffers: Mapping[int, Buffers], dst_buffers: Mappi
     """Run every rank's part of ``plan`` in this process.
 
     ``src_buffers[rank]`` / ``dst_buffers[rank]`` are ``{buffer_name: Tensor}``;
-    destination tensors are written in place. A :class:`~reshard.hierarchy.HierarchicalPlan`
+    destination tensors are written in place. A :class:`~reshard.planning.hierarchy.HierarchicalPlan`
     runs its network phase, then its later phases from the destination buffers.
     """
     phases = getattr(plan, "phases", None)

@@ -4,7 +4,7 @@ For each tensor, in order: the source ranks send their parts of it to ``root`` (
 source rank, the lowest by default, like training rank 0), ``root`` assembles the
 full tensor, broadcasts it to every destination rank, and each destination copies
 its pieces out of it. Every destination receives every byte of every tensor.
-It takes the same plan and buffers as :class:`reshard.executor.ReshardExecutor`, so
+It takes the same plan and buffers as :class:`reshard.execution.direct.ReshardExecutor`, so
 both run in one program on the same data.
 
 Per-rank bytes for tensor ``t`` on 4 -> 3 ranks (root 0)::
@@ -23,12 +23,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .executor import Buffers, RunStats, agree, check_buffers, device_of
-from .layout import Layout, buffer_view
+from ..layout import Layout
+from ..placements import Replicate
+from ..planning.plan import Plan
+from ..planning.schedule import Copy, Message
+from ..tensors import buffer_view
+from .direct import Buffers, RunStats, agree, check_buffers, device_of
 from .local import copy_within, pack, unpack
-from .placements import Replicate
-from .plan import Plan
-from .schedule import Copy, Message
 
 
 def gather_layout(plan: Plan, root: int) -> Layout:

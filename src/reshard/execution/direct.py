@@ -22,9 +22,10 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-from .layout import Layout, LayoutError
+from ..layout import Layout
+from ..planning.plan import Plan, RankPlan
+from ..tensors import LayoutError
 from .local import copy_within, pack, unpack
-from .plan import Plan, RankPlan
 
 Buffers = Mapping[str, torch.Tensor]
 
@@ -128,7 +129,7 @@ class ReshardExecutor:
 
 
 class HierarchicalExecutor:
-    """Runs a :class:`~reshard.hierarchy.HierarchicalPlan`: its network phase, then its relay and
+    """Runs a :class:`~reshard.planning.hierarchy.HierarchicalPlan`: its network phase, then its relay and
     NVLink forward phases, which read the destination buffers the earlier phases filled.
 
     Every rank of ``group`` constructs one and calls :meth:`run`, like :class:`ReshardExecutor`.

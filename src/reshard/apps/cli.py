@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from .demo_model import QWEN3_0_6B, ModelConfig
+from ..models.demo_model import QWEN3_0_6B, ModelConfig
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -51,7 +51,7 @@ def _demo_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--colocate", action="store_true",
                    help="put destination ranks on ranks 0..N-1 (shared with the sources) instead of M..M+N-1; "
                         "bytes a rank already holds are then copied locally, not sent (default: separate ranks)")
-    from .models import PRESETS
+    from ..models import PRESETS
 
     n = p.add_argument_group(
         "named model with real framework layouts (instead of the Qwen3-style model and ranks)",
@@ -129,8 +129,8 @@ def model_from_args(args) -> ModelConfig:
 def _demo(args) -> int:
     from rich.console import Console
 
+    from ..tensors import LayoutError
     from .demo import METHODS, DemoConfig
-    from .layout import LayoutError
 
     console = Console()
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
@@ -167,8 +167,8 @@ def _demo(args) -> int:
 
 def _demo_model(args, console, methods) -> int:
     """``reshard demo --model NAME``: real Megatron/FSDP and vLLM layouts of a (tiny) preset."""
+    from ..tensors import LayoutError
     from .demo import _BYTES, _PARAMS, DemoConfig, _size
-    from .layout import LayoutError
 
     clash = [f"--{o}" for o in ("sources", "tp", "dp", "scale") if getattr(args, o) is not None]
     if clash:
@@ -219,7 +219,7 @@ def _run_and_report(cfg, args, console) -> int:
 
 
 def _plan_parser(sub) -> argparse.ArgumentParser:
-    from .models import PRESETS
+    from ..models import PRESETS
 
     p = sub.add_parser(
         "plan", help="plan a whole model's refit between two parallel configurations and summarize it",
@@ -257,8 +257,8 @@ def _plan_parser(sub) -> argparse.ArgumentParser:
 def _plan(args) -> int:
     from rich.console import Console
 
-    from .layout import LayoutError
-    from .plan_report import plan_model, render, summarize
+    from ..tensors import LayoutError
+    from .report import plan_model, render, summarize
 
     console = Console()
     try:
@@ -272,9 +272,9 @@ def _plan(args) -> int:
     console.print(f"layouts built in {refit.build_s:.2f} s, planned in {plan_s:.2f} s; "
                   f"fingerprint {p.fingerprint()}")
     if args.plot is not None:
-        from .cost import model_time, traffic_from_pairs
-        from .plots import plot_link_load, plot_pair_bytes
-        from .topology import Placement, Topology
+        from ..modeling.cost import model_time, traffic_from_pairs
+        from ..modeling.plots import plot_link_load, plot_pair_bytes
+        from ..modeling.topology import Placement, Topology
 
         try:
             topo = Topology.resolve(args.topology)
@@ -283,7 +283,7 @@ def _plan(args) -> int:
             return 2
         place = Placement.contiguous(topo, refit.train_world, refit.infer_world)
         if topo.gpus_per_domain > 1:  # what reshard runs there: network once per domain, then NVLink
-            from .hierarchy import hierarchical_plan
+            from ..planning.hierarchy import hierarchical_plan
 
             h = hierarchical_plan(refit.source, refit.destination, dict(enumerate(place.domain_of.tolist())),
                                   max_bucket_bytes=p.max_bucket_bytes)

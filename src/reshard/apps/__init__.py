@@ -1,0 +1,1 @@
+"""Applications on top of the library: the `reshard` command line, the demo, reports, simulation."""
