@@ -41,18 +41,18 @@ import time
 
 import torch
 import torch.distributed as dist
+from bench_refit import parse_configs, print_header  # noqa: E402  (benchmarks/ is on the path when run as a script)
 from rich.console import Console
 from rich.table import Table
 
 import reshard as rs
 from reshard import verify
+from reshard.execution.packing import pack, unpack
+from reshard.frameworks.parallel import InferParallel, TrainParallel, model_layouts
 from reshard.modeling.cost import model_time, traffic_from_pairs, traffic_from_plan
-from reshard.models.demo_model import QWEN3_0_6B, demo_layouts
-from reshard.execution.local import pack, unpack
-from reshard.planning.schedule import Copy, Message
 from reshard.modeling.topology import CPU_MEASURED, Placement, cpu_topology
-
-from bench_refit import parse_configs, print_header  # noqa: E402  (benchmarks/ is on the path when run as a script)
+from reshard.models import DEMO_MODEL, get_arch
+from reshard.planning.schedule import Copy, Message
 
 MiB = 1 << 20
 DEFAULT_CONFIGS = "4-4:4x1,8-4:2x2"
@@ -230,10 +230,10 @@ def _message_costs(rank: int, sources: list[int], dests: list[int]) -> dict:
             "empty_round_s": rounds_back_to_back(dests if rank in sources else [], sources if rank in dests else [])}
 
 
-def _refit_worker(rank: int, world: int, out_path: str, model, m: int, tp: int, dp: int, bucket: int | None,
-                  repeat: int, stream_bytes: int) -> None:
+def _refit_worker(rank: int, world: int, out_path: str, model, train: TrainParallel, infer: InferParallel,
+                  bucket: int | None, repeat: int, stream_bytes: int) -> None:
     calib = calibrate(rank, world, stream_bytes, repeat)
-    lay = demo_layouts(model, m, tp, dp)
+    lay = model_layouts(model, train, infer)
     plan = rs.plan(lay.source, lay.destination, max_bucket_bytes=bucket)
     src = verify.fill_source(lay.source, rank) if rank in lay.source_ranks else {}
     dst = lay.destination.empty_buffers(rank)
@@ -272,11 +272,13 @@ def empty_round_model(topo, m: int, n: int) -> float:
     return model_time(traffic_from_pairs([pairs], place, topo), topo).seconds
 
 
-def run_refit(model, m: int, tp: int, dp: int, bucket: int | None, repeat: int, stream_bytes: int) -> dict:
+def run_refit(model, train: TrainParallel, infer: InferParallel, bucket: int | None, repeat: int,
+              stream_bytes: int) -> dict:
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:
-        rs.spawn(_refit_worker, m + tp * dp, path, model, m, tp, dp, bucket, repeat, stream_bytes, backend="gloo")
+        rs.spawn(_refit_worker, train.world + infer.world, path, model, train, infer, bucket, repeat, stream_bytes,
+                 backend="gloo")
         with open(path) as f:
             return json.load(f)
     finally:
@@ -304,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.stored:
         with console.status("measuring pack/unpack ..."):
             copies = measure_copies(args.repeat + 2)
-    model = QWEN3_0_6B.with_overrides(layers=args.layers, vocab=args.vocab)
+    model = get_arch(DEMO_MODEL).with_overrides(layers=args.layers, vocab=args.vocab)
     bucket = int(args.max_bucket_mb * MiB) or None
     res = Table(title=f"modeled vs measured refit (ReshardExecutor over gloo): Qwen3-shaped, {args.layers} layers, "
                       f"vocab {args.vocab}, {model.nbytes / 1e6:.1f} MB bf16; staging cap {args.max_bucket_mb:g} MiB")
@@ -318,13 +320,13 @@ def main(argv: list[str] | None = None) -> int:
     ok = True
     values: list[list[str]] = []
     first = None
-    for m, tp, dp in parse_configs(args.configs):
-        n = tp * dp
-        label = f"{m}->{n} tp{tp}" + (f"xdp{dp}" if dp > 1 else "")
-        lay = demo_layouts(model, m, tp, dp)
+    for train, infer in parse_configs(args.configs):
+        m, n = train.world, infer.world
+        label = f"{m}->{n} tp{infer.tp}" + (f"xdp{infer.dp}" if infer.dp > 1 else "")
+        lay = model_layouts(model, train, infer)
         plan = rs.plan(lay.source, lay.destination, max_bucket_bytes=bucket)
         with console.status(f"{label}: {m + n} processes ..."):
-            got = run_refit(model, m, tp, dp, bucket, args.repeat, int(args.stream_mb * MiB))
+            got = run_refit(model, train, infer, bucket, args.repeat, int(args.stream_mb * MiB))
         if got["mismatches"]:
             console.print(f"[bold red]{label}: {got['mismatches']} wrong destination elements")
             return 1

@@ -35,8 +35,10 @@ from rich.console import Console
 from rich.table import Table
 
 import reshard as rs
-from reshard.apps.demo import GATHER_BROADCAST, RESHARD, DemoConfig, failures, run_demo
-from reshard.models.demo_model import QWEN3_0_6B, demo_layouts
+from reshard.apps.demo import DemoConfig, failures, run_demo
+from reshard.execution.methods import GATHER_BROADCAST, RESHARD
+from reshard.frameworks.parallel import InferParallel, TrainParallel, model_layouts
+from reshard.models import DEMO_MODEL, get_arch
 
 MiB = 1 << 20
 # name: (sources M, tp, dp)
@@ -54,8 +56,8 @@ def print_header(console, script: str, argv: list[str] | None) -> None:
                   f"torch {torch.__version__}, gloo over loopback")
 
 
-def parse_configs(text: str) -> list[tuple[int, int, int]]:
-    """``"4-4:2x2"`` = 4 sources -> 4 destinations as tp=2 x dp=2."""
+def parse_configs(text: str) -> list[tuple[TrainParallel, InferParallel]]:
+    """``"4-4:2x2"`` = FSDP2 over 4 sources -> 4 destinations as 2 torch tensor-parallel replicas of tp=2."""
     out = []
     for item in text.split(","):
         pair, grid = item.split(":")
@@ -63,7 +65,7 @@ def parse_configs(text: str) -> list[tuple[int, int, int]]:
         tp, dp = (int(x) for x in grid.split("x"))
         if tp * dp != n:
             raise SystemExit(f"config {item!r}: tp x dp = {tp * dp} != N = {n}")
-        out.append((m, tp, dp))
+        out.append((TrainParallel("fsdp", dp=m), InferParallel("dtensor", tp=tp, dp=dp)))
     return out
 
 
@@ -111,7 +113,7 @@ def minimum_wire_bytes(source: rs.Layout, destination: rs.Layout) -> int:
 
 # ------------------------------------------------------------------ section 1
 def run_configs(args, console: Console) -> Table:
-    model = QWEN3_0_6B.with_overrides(layers=args.layers)
+    model = get_arch(DEMO_MODEL).with_overrides(layers=args.layers)
     bucket = int(args.max_bucket_mb * MiB) or None
     t = Table(title=f"reshard vs gather-and-broadcast: Qwen3-0.6B-like, {args.layers} layers, "
                     f"{model.num_params / 1e9:.3f} B params, {model.nbytes / 1e9:.2f} GB bf16; "
@@ -120,11 +122,11 @@ def run_configs(args, console: Console) -> Table:
             "reshard = min", "staging/rank (bound)", "planner"]
     for c in cols:
         t.add_column(c, justify="left" if c == "config" else "right", no_wrap=True)
-    for m, tp, dp in parse_configs(args.configs):
-        label = f"{m}->{tp * dp} tp{tp}" + (f"xdp{dp}" if dp > 1 else "")
-        cfg = DemoConfig(model=model, sources=m, tp=tp, dp=dp, max_bucket_bytes=bucket, repeat=args.repeat,
-                         progress=False)
-        lay = demo_layouts(model, m, tp, dp)
+    for train, infer in parse_configs(args.configs):
+        label = f"{train.world}->{infer.world} tp{infer.tp}" + (f"xdp{infer.dp}" if infer.dp > 1 else "")
+        cfg = DemoConfig(model=DEMO_MODEL, arch_overrides=(("layers", args.layers),), train=str(train),
+                         infer=str(infer), max_bucket_bytes=bucket, repeat=args.repeat, progress=False)
+        lay = model_layouts(model, train, infer)
         minimum = minimum_wire_bytes(lay.source, lay.destination)
         start = time.perf_counter()
         with console.status(f"{label}: {lay.world_size} processes ..."):
@@ -162,11 +164,11 @@ def run_planner(console: Console, bucket: int | None) -> Table:
               "for_rank(src) s", "for_rank(dst) s", "wire GB"]:
         t.add_column(c, justify="left" if c == "layout" else "right", no_wrap=True)
     for m, tp, dp, layers in PLANNER_CASES:
-        model = QWEN3_0_6B.with_overrides(layers=layers)
+        model = get_arch(DEMO_MODEL).with_overrides(layers=layers)
         label = f"{m}->{tp * dp} tp{tp}xdp{dp}, {layers} layers"
         with console.status(f"planning {label} ..."):
             t0 = time.perf_counter()
-            lay = demo_layouts(model, m, tp, dp)
+            lay = model_layouts(model, f"fsdp:dp{m}", f"dtensor:tp{tp},dp{dp}")
             t1 = time.perf_counter()
             plan = rs.plan(lay.source, lay.destination, max_bucket_bytes=bucket)
             t2 = time.perf_counter()

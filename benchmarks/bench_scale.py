@@ -31,11 +31,11 @@ CASES = {
 
 _CHILD = r"""
 import json, resource, sys, time
-from reshard.apps.report import build_refit
+from reshard.frameworks.parallel import model_layouts
 from reshard.planning.plan import plan
 model, train, infer, mode = sys.argv[1:5]
 t0 = time.perf_counter()
-refit = build_refit(model, train, infer)
+refit = model_layouts(model, train, infer)
 t1 = time.perf_counter()
 p = plan(refit.source, refit.destination)
 t2 = time.perf_counter()

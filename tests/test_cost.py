@@ -7,9 +7,10 @@ import pytest
 import torch
 
 import reshard as rs
-from reshard.modeling.cost import (Demand, broadcast_chain, gather_broadcast_time, gather_broadcast_time_of, gather_inputs,
-                          lower_bound, model_time, traffic_from_pairs, traffic_from_plan)
+from reshard.modeling.cost import (Demand, broadcast_chain, gather_broadcast_time, gather_broadcast_time_of,
+                                   lower_bound, model_time, traffic_from_pairs, traffic_from_plan)
 from reshard.modeling.topology import Placement, Topology
+from reshard.planning.baseline import gather_sends
 
 GB = 1e9
 
@@ -192,7 +193,7 @@ def test_buckets_pay_latency_once_each():
     assert bucketed.seconds == pytest.approx(2 * (1 + 11)) and bucketed.phases[0].rounds == 2
 
 
-def test_gather_inputs_of_a_plan():
+def test_gather_sends_of_a_plan():
     spec = rs.TensorSpec("w", (8, 4), torch.bfloat16)
     norm = rs.TensorSpec("n", (4,), torch.bfloat16)
     src = rs.Layout.merge([
@@ -202,7 +203,7 @@ def test_gather_inputs_of_a_plan():
     dst = rs.Layout.merge([rs.Layout.from_placements(spec, [4, 5], (2,), [rs.Shard(1)]),
                            rs.Layout.from_placements(norm, [4, 5], (2,), [rs.Replicate()])])
     plan = rs.plan(src, dst)
-    names, sizes, sends = gather_inputs(plan)
+    names, sizes, sends = gather_sends(plan)
     got = dict(zip(names, zip(sizes, sends)))
     # root 0 holds rows 0-3 (so does rank 2); rows 4-7 (32 B) are on ranks 1 and 3: half each
     assert got["w"] == (64, {1: 16, 3: 16})

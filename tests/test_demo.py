@@ -6,21 +6,29 @@ import torch
 import reshard as rs
 from reshard import verify
 from reshard.apps.cli import build_parser, main, model_from_args
-from reshard.apps.demo import GATHER_BROADCAST, RESHARD, DemoConfig, failures, run_demo
-from reshard.models.demo_model import QWEN3_0_6B, ModelConfig, demo_layouts, model_specs
+from reshard.apps.demo import DemoConfig, failures, run_demo
+from reshard.execution.methods import GATHER_BROADCAST, HIERARCHICAL, RESHARD
+from reshard.frameworks.parallel import model_layouts
+from reshard.models import DEMO_MODEL, Arch, get_arch, model_specs
 
-TINY = ModelConfig(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab=256)
+TINY = Arch("qwen3", layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab=256)
+
+
+def demo_layouts(arch, sources, tp, dp=1, **kw):
+    """The built-in demo's sides: FSDP2 over ``sources`` ranks, ``dp`` torch tensor-parallel replicas of ``tp``."""
+    return model_layouts(arch, f"fsdp:dp{sources}", f"dtensor:tp{tp},dp{dp}", **kw)
 
 
 def test_default_model_is_qwen3_0_6b_sized():
-    specs = {s.name: s for s in model_specs(QWEN3_0_6B)}
+    arch = get_arch(DEMO_MODEL)
+    specs = {s.name: s for s in model_specs(arch)}
     assert len(specs) == 1 + 28 * 11 + 2
     assert specs["model.layers.0.self_attn.q_proj.weight"].shape == (2048, 1024)
     assert specs["model.layers.27.self_attn.k_proj.weight"].shape == (1024, 1024)
     assert specs["model.layers.3.mlp.down_proj.weight"].shape == (1024, 3072)
     assert specs["lm_head.weight"].shape == (151936, 1024)
     assert all(s.dtype == torch.bfloat16 for s in specs.values())
-    assert 0.7e9 < QWEN3_0_6B.num_params < 0.8e9
+    assert 0.7e9 < arch.num_params < 0.8e9 and not arch.tie_embeddings
 
 
 def test_inference_layout_is_tensor_parallel_with_replicas():
@@ -62,7 +70,7 @@ def test_values_are_deterministic_and_box_consistent():
 
 
 def test_fill_then_run_local_checks_clean_with_cast():
-    lay = demo_layouts(TINY, sources=2, tp=2, dp=2, src_dtype=torch.float32)
+    lay = demo_layouts(TINY, sources=2, tp=2, dp=2, source_dtype=torch.float32)
     plan = rs.plan(lay.source, lay.destination, max_bucket_bytes=4096)
     src = {r: verify.fill_source(lay.source, r) for r in lay.source_ranks}
     assert src[0]["model.embed_tokens.weight"].dtype == torch.float32
@@ -101,13 +109,13 @@ def test_cli_parses_every_option_and_scales_the_model():
     cfg = model_from_args(args)
     assert cfg.layers == 7 and cfg.vocab % 256 == 0 and cfg.hidden == 1024
     args = build_parser().parse_args(["demo", "--layers", "3", "--vocab", "512", "--dtype", "fp32"])
-    assert model_from_args(args) == QWEN3_0_6B.with_overrides(layers=3, vocab=512, dtype=torch.float32)
+    assert model_from_args(args) == get_arch(DEMO_MODEL).with_overrides(layers=3, vocab=512, dtype=torch.float32)
     assert main(["demo", "--tp", "3"]) == 2  # 16 heads do not divide by 3: refused before spawning
 
 
 @pytest.mark.slow
 def test_demo_end_to_end_both_methods_bit_exact():
-    cfg = DemoConfig(model=TINY, sources=3, tp=2, dp=1, max_bucket_bytes=16 << 10, progress=False)
+    cfg = DemoConfig(model=TINY, train="fsdp:dp3", infer="dtensor:tp2", max_bucket_bytes=16 << 10, progress=False)
     res = run_demo(cfg)
     assert failures(res) == []
     lay = cfg.layouts()
@@ -127,7 +135,7 @@ def test_demo_end_to_end_both_methods_bit_exact():
 @pytest.mark.slow
 def test_demo_named_model_megatron_moe_to_vllm_bit_exact():
     """A tiny random Qwen3-MoE: Megatron tp1,ep2 on ranks 0-1 -> vLLM tp2 on ranks 2-3, both executors."""
-    cfg = DemoConfig(preset="qwen3-30b-a3b", train="tp1,ep2", infer="tp2", max_bucket_bytes=64 << 10,
+    cfg = DemoConfig(model="qwen3-30b-a3b", tiny=True, train="tp1,ep2", infer="tp2", max_bucket_bytes=64 << 10,
                      progress=False)
     arch = cfg.arch
     assert arch.family == "qwen3_moe" and arch.experts == 8 and arch.num_params < 1e6
@@ -144,7 +152,7 @@ def test_demo_named_model_megatron_moe_to_vllm_bit_exact():
     assert res["methods"][GATHER_BROADCAST]["wire_bytes"] == gb["gather"] + gb["broadcast"]
     c = res["config"]
     assert (c["model"], c["train"], c["infer"], c["sources"], c["destinations"]) == \
-        ("tiny qwen3-30b-a3b", "tp1,ep2", "tp2", 2, 2)
+        ("tiny qwen3-30b-a3b", "megatron tp1,ep2", "vllm tp2", 2, 2)
     assert main(["demo", "--model", "qwen3-30b-a3b", "--tp", "2"]) == 2  # ranks come from --train/--infer
     assert main(["demo", "--train", "tp2"]) == 2  # --train needs --model
 
@@ -152,11 +160,11 @@ def test_demo_named_model_megatron_moe_to_vllm_bit_exact():
 def test_hierarchical_method_crosses_domains_once_per_replica_set():
     """2 data-parallel replicas of TP 2 in one pretend NVLink domain: the hierarchical refit takes
     each byte into the domain once (half of what the direct plan sends across), bit-exact."""
-    from reshard.apps.demo import HIERARCHICAL, demo_domains
+    from reshard.apps.demo import demo_domains
     from reshard.planning.hierarchy import domain_need_bytes
 
-    cfg = DemoConfig(model=TINY, sources=2, tp=2, dp=2, methods=(RESHARD, HIERARCHICAL), progress=False,
-                     max_bucket_bytes=1 << 14)
+    cfg = DemoConfig(model=TINY, train="fsdp:dp2", infer="dtensor:tp2,dp2", methods=(RESHARD, HIERARCHICAL),
+                     progress=False, max_bucket_bytes=1 << 14)
     assert demo_domains(cfg.layouts(), 0) == {0: 0, 1: 0, 2: 1, 3: 1, 4: 1, 5: 1}
     result = run_demo(cfg)
     assert failures(result) == []
@@ -173,7 +181,7 @@ def test_hierarchical_method_crosses_domains_once_per_replica_set():
 def test_demo_named_model_colocated_with_fp32_training_weights():
     """Megatron fp32 master weights and vLLM bf16 weights on the same two ranks: most bytes copy
     locally (cast on the way), the rest cross; every destination byte checked."""
-    cfg = DemoConfig(preset="qwen3-8b", train="tp2", infer="tp1,dp2", colocate=True,
+    cfg = DemoConfig(model="qwen3-8b", tiny=True, train="tp2", infer="tp1,dp2", colocate=True,
                      source_dtype=torch.float32, progress=False)
     lay = cfg.layouts()
     assert lay.source_ranks == lay.destination_ranks == [0, 1]

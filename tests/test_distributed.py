@@ -91,7 +91,6 @@ def _run_hierarchical(rank, world):
     """Pretend NVLink domains {2, 3} and {4, 5} of destinations (sources 0 and 1 each alone):
     ``a`` is replicated on all four, ``b`` sharded over 2 and replicated within each domain, so
     every domain takes each byte it needs over the "network" once and forwards the rest."""
-    from reshard.execution.direct import HierarchicalExecutor
     from reshard.planning.hierarchy import domain_need_bytes, hierarchical_plan
 
     a = rs.TensorSpec("a", (12, 6), torch.bfloat16)
@@ -105,7 +104,7 @@ def _run_hierarchical(rank, world):
     full = _full([a, b])
     sb = src.materialize(rank, full) if rank in src.ranks else {}
     db = dst.empty_buffers(rank)
-    stats = HierarchicalExecutor(h).run(sb, db)
+    stats = rs.ReshardExecutor(h).run(sb, db)  # every phase, in order
     for buf, want in (dst.materialize(rank, full) if rank in dst.ranks else {}).items():
         assert torch.equal(db[buf].view(torch.uint8), want.view(torch.uint8)), ("hierarchical", rank, buf)
     received = [None] * world  # bytes each rank really took over the "network" (from another domain)
@@ -118,7 +117,9 @@ def _run_hierarchical(rank, world):
     for d in (2, 3):
         assert per_domain[d] * 2 == sum(direct[r] for r in range(world) if domains[r] == d)
     assert h.relay is not None  # `a` has one copy of each half on the sources and two domains need it
-    assert sum(st.recv_bytes for st in stats) == sum(p.recv_bytes.get(rank, 0) for p in h.phases)
+    assert [p.name for p in stats.phases] == h.phase_names == ["network", "relay", "NVLink forward"]
+    assert stats.recv_bytes == sum(st.recv_bytes for st in stats.phases) == sum(p.recv_bytes.get(rank, 0)
+                                                                                  for p in h.phases)
 
 
 def test_both_executors_bit_exact():

@@ -16,7 +16,8 @@ import torch
 import torch.nn as nn
 
 import reshard as rs
-from reshard.frameworks.fsdp import fsdp_layout, fsdp_placements, tp_placement
+from reshard.frameworks.fsdp import fsdp_layout, fsdp_placements
+from reshard.frameworks.tensor_parallel import tp_placement
 from reshard.models import Arch, model_specs
 from reshard.placements import from_torch_placement
 

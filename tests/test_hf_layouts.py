@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import reshard as rs
-from reshard.frameworks.hf import (TP_PLANS, check_hf_parameters, hf_layout, hf_parameters, hf_tp_plan,
-                                   tp_placement, tp_style)
+from reshard.frameworks.hf import (TP_PLANS, check_hf_parameters, hf_layout, hf_parameters, hf_tp_plan, tp_placement,
+                                   tp_style)
 from reshard.models import Arch, from_module, model_specs
 
 F32 = torch.float32
@@ -169,7 +169,7 @@ def test_errors():
     with pytest.raises(rs.LayoutError, match=r"tp=4 does not divide the 4 attention heads and 2 KV heads"):
         hf_layout(qwen3(), [0, 1, 2, 3], 4)
     assert hf_layout(deepseek(heads=4), [0, 1, 2, 3, 4, 5, 6, 7], 8)  # MLA attention is not split
-    with pytest.raises(rs.LayoutError, match="3 ranks given for tp=2 x dp=2"):
+    with pytest.raises(rs.LayoutError, match=re.escape("3 ranks given, but tp*dp = 2*2 = 4")):
         hf_layout(qwen3(), [0, 1, 2], 2, 2)
     with pytest.raises(rs.LayoutError, match="repeat a rank"):
         hf_layout(qwen3(), [0, 0], 2)

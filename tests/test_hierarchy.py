@@ -77,7 +77,7 @@ def test_network_bytes_per_domain_are_the_bytes_it_lacks(dc):
                                         for p in case.source.pieces(r)])
         itemsize = case.destination.uniform_itemsize("w")  # bytes travel in the destination dtype
         lacking = int((need & ~have).sum()) * itemsize
-        assert h.cross_domain_bytes.get(d, 0) == lacking, (d, h.phase_pair_bytes)
+        assert h.cross_domain_bytes.get(d, 0) == lacking, (d, [p.pair_bytes for p in h.phases])
 
 
 def _replicated_refit(n_tensors=8, rows=16):

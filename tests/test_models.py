@@ -12,6 +12,7 @@ PUBLISHED_B = {
     "qwen3-0.6b": 0.596, "qwen3-8b": 8.19, "qwen3-32b": 32.8, "qwen3-30b-a3b": 30.5, "qwen3-235b-a22b": 235.1,
     "deepseek-v3": 671.0, "deepseek-v3-mtp": 685.0 - 0.5, "kimi-k2": 1026.4, "llama-3-8b": 8.03, "llama-3-70b": 70.55,
     "moe-2.4t": 2400.0,  # not published: sized to the reported 2.4 T-parameter MoE
+    "qwen3-0.6b-untied": 0.596 + 151936 * 1024 / 1e9,  # not published: Qwen3-0.6B with its own LM head (the demo)
 }
 
 

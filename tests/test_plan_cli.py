@@ -4,7 +4,8 @@ import pytest
 
 import reshard as rs
 from reshard.apps.cli import main
-from reshard.apps.report import build_refit, parse_parallel, summarize
+from reshard.apps.report import summarize
+from reshard.frameworks.parallel import model_layouts
 
 
 def test_plan_summary_qwen3_moe(capsys):
@@ -16,7 +17,7 @@ def test_plan_summary_qwen3_moe(capsys):
 
 
 def test_summary_bytes_add_up():
-    refit = build_refit("qwen3-8b", "tp2,pp2,dp2", "tp4,dp2")
+    refit = model_layouts("qwen3-8b", "tp2,pp2,dp2", "tp4,dp2")
     plan = rs.plan(refit.source, refit.destination)
     s = summarize(refit, plan)
     assert sum(s["by_category"].values()) == plan.wire_bytes
@@ -30,15 +31,12 @@ def test_summary_bytes_add_up():
 @pytest.mark.parametrize("args, message", [
     (["--train", "tp1,ep6,pp2", "--infer", "tp8,dp2"], "ep=6 does not divide the 128 experts"),
     (["--train", "tp1,ep8,pp2", "--infer", "tp7,dp2"], "attention heads (32) is not divisible by 7"),
-    (["--train", "tp1,ep8,pq2", "--infer", "tp8"], "cannot read 'pq2'"),
+    (["--train", "tp1,ep8,pq2", "--infer", "tp8"], "megatron takes cp, dp, ep, etp, pp, tp, not pq"),
+    (["--train", "tp1,ep8,pp-2", "--infer", "tp8"], "cannot read 'pp-2'"),
+    (["--train", "fsdp:dp8,pp2", "--infer", "tp8"], "fsdp takes dp, hsdp, tp, not pp"),
     (["--train", "tp1,ep8,pp2", "--infer", "sglang:tp8"], "unknown framework 'sglang'"),
 ])
 def test_impossible_configs_get_one_line(capsys, args, message):
     assert main(["plan", "--model", "qwen3-30b-a3b", *args]) == 2
     out = capsys.readouterr().out.strip()
     assert message in out and "Traceback" not in out and len(out.splitlines()) <= 2
-
-
-def test_parse_parallel():
-    assert parse_parallel("fsdp:dp8,tp2", {"dp", "tp"}, "x") == ("fsdp", {"dp": 8, "tp": 2})
-    assert parse_parallel("tp8,dp2,ep", {"tp", "dp", "ep"}, "x") == (None, {"tp": 8, "dp": 2, "ep": 0})

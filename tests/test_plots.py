@@ -4,12 +4,13 @@ import struct
 
 import pytest
 
-import reshard as rs
 from reshard.apps.cli import main
+from reshard.frameworks.parallel import model_layouts
 from reshard.modeling.cost import model_time, traffic_from_pairs
-from reshard.models.demo_model import QWEN3_0_6B, demo_layouts
-from reshard.modeling.plots import plot_link_load, plot_pair_bytes, write_plan_plots
+from reshard.modeling.pipeline import RefitModel
+from reshard.modeling.plots import plot_link_load, plot_pair_bytes
 from reshard.modeling.topology import Placement, Topology
+from reshard.models import DEMO_MODEL, get_arch
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -31,10 +32,11 @@ def check_png(path, min_bytes=5_000, max_bytes=3_000_000):
 
 
 def test_plots_of_a_small_model(tmp_path):
-    lay = demo_layouts(QWEN3_0_6B.with_overrides(layers=2, vocab=4096), 4, 2, 2)
-    plan = rs.plan(lay.source, lay.destination, max_bucket_bytes=8 << 20)
-    place = Placement.contiguous(Topology.preset("dgx-h100"), 4, 4, infer_start="domain")
-    paths = write_plan_plots(plan, place, tmp_path / "out", prefix="small")
+    lay = model_layouts(get_arch(DEMO_MODEL).with_overrides(layers=2, vocab=4096), "fsdp:dp4", "dtensor:tp2,dp2")
+    m = RefitModel.build(lay.source, lay.destination, Topology.preset("dgx-h100"), infer_start="domain",
+                         max_bucket_bytes=8 << 20)
+    assert m.reshard is m.hierarchical and m.placement.gpu_of.tolist() == [0, 1, 2, 3, 8, 9, 10, 11]
+    paths = m.write_plots(tmp_path / "out", "small", "small")
     assert [p.name for p in paths] == ["small-pairs.png", "small-links.png"]
     for p in paths:
         check_png(p)
@@ -76,3 +78,12 @@ def test_cli_bad_topology(tmp_path, capsys, topology, message):
     assert main(["plan", "--model", "qwen3-0.6b", "--train", "tp2", "--infer", "tp2", "--plot", str(tmp_path),
                  "--topology", topology]) == 2
     assert message in capsys.readouterr().out
+
+
+def test_cli_plan_plot_default_folder(tmp_path, monkeypatch, capsys):
+    """``--plot`` without a folder writes to ./reshard-out, never loose into the current directory."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "--model", "qwen3-0.6b", "--train", "tp2", "--infer", "tp2", "--plot"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["reshard-out"]
+    files = sorted((tmp_path / "reshard-out").glob("*.png"))
+    assert len(files) == 2 and "reshard-out" in capsys.readouterr().out

@@ -31,3 +31,11 @@ def test_chart_is_written(qwen30, tmp_path):
 def test_unknown_case_is_a_one_line_error(capsys):
     assert main(["simulate", "--cases", "nope", "--png", ""]) == 2
     assert "unknown case 'nope'" in capsys.readouterr().out
+
+
+def test_chart_goes_to_the_output_folder(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["simulate", "--cases", "qwen30-h100", "--out", "figs"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["figs"]
+    assert (tmp_path / "figs" / "simulate.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "figs/simulate.png" in capsys.readouterr().out

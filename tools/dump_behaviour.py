@@ -6,6 +6,10 @@ A refactor that moves code around must leave this dump identical. Run it before 
     ... move things ...
     python tools/dump_behaviour.py --out after.json --compare before.json
 
+``tools/behaviour-reference.json`` is the dump of the current code; ``make test`` compares the
+quick cases against it (``tests/test_behaviour_reference.py``). A change that means to alter
+plans or figures regenerates it (``--out tools/behaviour-reference.json``) and says so.
+
 Per case it records the plan fingerprint, the plan's figures, and a digest of every rank plan's
 copies (sends, receives, local and fan-out copies with their rounds; a sample of ranks for the
 cluster-scale cases); per `reshard simulate` row, every figure of the result; per CLI command, its
@@ -20,6 +24,7 @@ import contextlib
 import hashlib
 import io
 import json
+import os
 import sys
 import tempfile
 import time
@@ -27,41 +32,13 @@ import time
 import torch
 
 import reshard as rs
-
-try:
-    from reshard.apps.cli import main as cli_main
-    from reshard.apps.simulate import CASES, simulate_case
-    from reshard.frameworks.parallel import model_layouts
-    from reshard.models import demo_arch, tiny_arch
-    from reshard.modeling.cost import gather_broadcast_time_of, model_time, traffic_from_plan
-    from reshard.modeling.topology import Placement, Topology
-    from reshard.planning.hierarchy import hierarchical_plan
-except ImportError:  # the flat layout before the packages (issue 8): the same calls, by their old names
-    import re
-
-    from reshard import demo as _demo
-    from reshard.cli import main as cli_main
-    from reshard.cost import gather_broadcast_time_of, model_time, traffic_from_plan
-    from reshard.demo_model import QWEN3_0_6B, demo_layouts
-    from reshard.hierarchy import hierarchical_plan
-    from reshard.models import get_arch
-    from reshard.plan_report import build_refit
-    from reshard.simulate import CASES, simulate_case
-    from reshard.topology import Placement, Topology
-
-    def demo_arch():
-        return QWEN3_0_6B
-
-    def tiny_arch(name):
-        return _demo.tiny_arch(get_arch(name))
-
-    def model_layouts(arch, train, infer, *, colocate=False, source_dtype=None):
-        m = re.fullmatch(r"dtensor:tp(\d+),dp(\d+)", infer)
-        if m:
-            sources = int(re.fullmatch(r"fsdp:dp(\d+)", train).group(1))
-            return demo_layouts(arch, sources, int(m.group(1)), int(m.group(2)), colocate=colocate,
-                                src_dtype=source_dtype)
-        return build_refit(arch, train, infer, colocate=colocate, source_dtype=source_dtype)
+from reshard.apps.cli import main as cli_main
+from reshard.apps.simulate import CASES, simulate_case
+from reshard.frameworks.parallel import model_layouts
+from reshard.modeling.cost import gather_broadcast_time_of, model_time, traffic_from_plan
+from reshard.modeling.topology import Placement, Topology
+from reshard.models import DEMO_MODEL, get_arch, tiny_arch
+from reshard.planning.hierarchy import hierarchical_plan
 
 MiB = 1 << 20
 
@@ -129,7 +106,7 @@ def demo_domains(src_ranks, dst_ranks, size: int) -> dict[int, int]:
 
 def demo_model_cases(quick: bool):
     """(name, source, destination, max_bucket_bytes) of the built-in demo model (demo and bench)."""
-    base = demo_arch()
+    base = get_arch(DEMO_MODEL)
     cases = [("demo 4->tp2xdp2", base, 4, 2, 2, {}), ("demo colocated", base, 4, 2, 2, {"colocate": True}),
              ("demo fp32 source", base.with_overrides(layers=3), 3, 2, 1, {"source_dtype": torch.float32})]
     for m, tp, dp in ((2, 2, 1), (4, 4, 1), (4, 2, 2), (2, 4, 1), (4, 2, 1)):  # bench_refit's configurations
@@ -166,6 +143,7 @@ def main(argv=None) -> int:
     ap.add_argument("--compare", default=None, help="a previous dump: print what differs, exit 1 if anything")
     ap.add_argument("--quick", action="store_true", help="small cases only")
     args = ap.parse_args(argv)
+    os.environ["COLUMNS"] = "80"  # the CLI's tables, as wide on every machine
     out: dict = {}
     t0 = time.perf_counter()
 
@@ -239,6 +217,8 @@ def main(argv=None) -> int:
     if args.compare:
         with open(args.compare) as f:
             ref = json.load(f)
+        if args.quick:  # the quick cases only
+            ref = {k: v for k, v in ref.items() if k in out}
         diffs = list(compare(ref, json.loads(json.dumps(out)), ""))
         for d in diffs[:60]:
             print(d)

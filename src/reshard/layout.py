@@ -30,6 +30,12 @@ import torch
 from .placements import Placement, from_torch_placement, local_pieces
 from .tensors import LayoutError, Piece, TensorSpec, box_slices, box_str, buffer_view, dtype_class, itemsize
 
+VALIDATE_MAX_PIECES = 100_000
+"""``Layout(..., validate=None)`` checks layouts up to this many pieces; bigger ones (whole models at
+cluster scale) come from constructors that are correct by construction (the tests validate each
+of them on small configurations), and ``Layout.validate()`` can still be called on them (seconds
+per million pieces)."""
+
 
 class Repeated(abc.Sequence):
     """``n`` copies of one buffer name without ``n`` references (a tensor's pieces on many ranks
@@ -143,7 +149,8 @@ class Layout:
 
     Build one with :meth:`from_placements`, :meth:`from_dtensor` or :meth:`from_pieces`,
     combine several with :meth:`merge`. Constructors validate; a bad layout raises
-    :class:`LayoutError` naming the tensor, rank and box.
+    :class:`LayoutError` naming the tensor, rank and box. ``validate=None`` (what the framework
+    constructors pass) validates layouts of up to :data:`VALIDATE_MAX_PIECES` pieces.
     """
 
     def __init__(
@@ -152,7 +159,7 @@ class Layout:
         tables: Mapping[str, PieceTable],
         buffers: Mapping[int, Mapping[str, tuple[tuple[int, ...], torch.dtype]]],
         *,
-        validate: bool = True,
+        validate: bool | None = True,
     ) -> None:
         self.specs: dict[str, TensorSpec] = dict(specs)
         self.tables: dict[str, PieceTable] = dict(tables)
@@ -161,6 +168,8 @@ class Layout:
         }
         self._by_rank: dict[int, list[tuple[str, int]]] | None = None
         self._dtypes: dict[str, torch.dtype | None] | None = None
+        if validate is None:
+            validate = sum(len(t) for t in self.tables.values()) <= VALIDATE_MAX_PIECES
         if validate:
             self.validate()
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from .tensors import LayoutError, Piece, TensorSpec
@@ -107,8 +108,8 @@ def _take(runs: Intervals, a: int, b: int) -> Intervals:
 
 
 @lru_cache(maxsize=4096)
-def _local_runs(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple, split: str
-                ) -> dict[tuple[int, ...], tuple[Intervals, ...]]:
+def local_runs(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple, split: str
+               ) -> dict[tuple[int, ...], tuple[Intervals, ...]]:
     """For each mesh coordinate, per tensor dim, the global runs it holds (in local order)."""
     out = {}
     for coord in itertools.product(*(range(m) for m in mesh_shape)):
@@ -145,11 +146,50 @@ def _merge_adjacent(runs: list[tuple[int, int]]) -> Intervals:
     return tuple(out)
 
 
+def check_sizes(what: str, **sizes) -> None:
+    """Raise :class:`LayoutError` unless every parallel size is an integer >= 1.
+
+    >>> check_sizes("vLLM", tp=2, dp=0)
+    Traceback (most recent call last):
+    ...
+    reshard.tensors.LayoutError: vLLM: dp must be a positive integer, got 0
+    """
+    for key, v in sizes.items():
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise LayoutError(f"{what}: {key} must be a positive integer, got {v!r}")
+
+
+def check_ranks(ranks: Sequence[int], what: str, mesh: Sequence[int] | None = None, **sizes: int) -> np.ndarray:
+    """``ranks`` as an int64 array, checked to be as many distinct ranks as the named ``sizes`` (or the
+    ``mesh`` shape) multiply to.
+
+    >>> check_ranks([4, 5, 6, 7], "vLLM", tp=2, dp=2).tolist()
+    [4, 5, 6, 7]
+    >>> check_ranks([4, 5, 6], "vLLM", tp=2, dp=2)
+    Traceback (most recent call last):
+    ...
+    reshard.tensors.LayoutError: vLLM: 3 ranks given, but tp*dp = 2*2 = 4
+    >>> check_ranks([0, 1, 2], "tensor 'w'", mesh=(2, 2))
+    Traceback (most recent call last):
+    ...
+    reshard.tensors.LayoutError: tensor 'w': 3 ranks given, but mesh shape (2, 2) holds 4
+    """
+    if mesh is not None:
+        sizes = {f"mesh dim {i}": m for i, m in enumerate(mesh)}
+    check_sizes(what, **sizes)
+    out = np.array([int(r) for r in ranks], np.int64)
+    need = math.prod(int(v) for v in sizes.values())
+    if len(out) != need:
+        expected = (f"mesh shape {tuple(mesh)} holds" if mesh is not None else
+                    f"{'*'.join(sizes)} = {'*'.join(str(v) for v in sizes.values())} =")
+        raise LayoutError(f"{what}: {len(out)} ranks given, but {expected} {need}")
+    if len(np.unique(out)) != len(out):
+        raise LayoutError(f"{what}: ranks repeat a rank: {out.tolist()}")
+    return out
+
+
 def _check(spec: TensorSpec, ranks: Sequence[int], mesh_shape: Sequence[int], placements: Sequence) -> None:
-    if len(ranks) != math.prod(mesh_shape):
-        raise LayoutError(f"tensor {spec.name!r}: {len(ranks)} ranks do not fill mesh shape {tuple(mesh_shape)}")
-    if len(set(ranks)) != len(ranks):
-        raise LayoutError(f"tensor {spec.name!r}: ranks {list(ranks)} repeat a rank")
+    check_ranks(ranks, f"tensor {spec.name!r}", mesh=mesh_shape)
     if len(placements) != len(mesh_shape):
         raise LayoutError(f"tensor {spec.name!r}: {len(placements)} placements for a {len(mesh_shape)}-dim mesh")
     for p in placements:
@@ -166,7 +206,7 @@ def local_pieces(spec: TensorSpec, ranks: Sequence[int], mesh_shape: Sequence[in
     """Pieces and buffers of one tensor laid out by ``placements`` (see module doc)."""
     _check(spec, ranks, mesh_shape, placements)
     try:
-        runs_by_coord = _local_runs(spec.shape, tuple(mesh_shape), tuple(placements), split)
+        runs_by_coord = local_runs(spec.shape, tuple(mesh_shape), tuple(placements), split)
     except LayoutError as e:
         raise LayoutError(f"tensor {spec.name!r} {e}") from None
     pieces = []

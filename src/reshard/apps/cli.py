@@ -1,4 +1,8 @@
-"""Command line: ``reshard demo`` and ``reshard plan`` (also ``python -m reshard ...``)."""
+"""Command line: ``reshard demo``, ``reshard plan`` and ``reshard simulate`` (also ``python -m reshard ...``).
+
+Pictures go to an output folder, ``reshard-out/`` under the current directory unless told
+(``reshard plan --plot [DIR]``, ``reshard simulate --out DIR``); the paths are printed.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,9 @@ import sys
 
 import torch
 
-from ..models.demo_model import QWEN3_0_6B, ModelConfig
+from ..models.arch import DEMO_MODEL, PRESETS, Arch, get_arch
+
+DEFAULT_OUT = "reshard-out"
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -20,7 +26,7 @@ def _positive(s: str) -> int:
 
 
 def _demo_parser(sub) -> argparse.ArgumentParser:
-    d = QWEN3_0_6B
+    d = get_arch(DEMO_MODEL)
     p = sub.add_parser(
         "demo",
         help="refit a transformer from M training ranks to N inference ranks with both executors, verify, compare",
@@ -51,7 +57,6 @@ def _demo_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--colocate", action="store_true",
                    help="put destination ranks on ranks 0..N-1 (shared with the sources) instead of M..M+N-1; "
                         "bytes a rank already holds are then copied locally, not sent (default: separate ranks)")
-    from ..models import PRESETS
 
     n = p.add_argument_group(
         "named model with real framework layouts (instead of the Qwen3-style model and ranks)",
@@ -73,7 +78,7 @@ def _demo_parser(sub) -> argparse.ArgumentParser:
                         "vocab 1000, MLA and shared experts kept; --layers, --hidden, ... override single sizes. "
                         "--no-tiny runs the full preset (needs its full size in memory, several times over) "
                         "(default: on)")
-    m = p.add_argument_group("model (Qwen3-style; defaults are Qwen3-0.6B)")
+    m = p.add_argument_group(f"model (defaults: {DEMO_MODEL}, Qwen3-0.6B with an untied LM head)")
     m.add_argument("--layers", type=_positive, default=None, help=f"decoder layers (default {d.layers})")
     m.add_argument("--hidden", type=_positive, default=None, help=f"hidden size (default {d.hidden})")
     m.add_argument("--intermediate", type=_positive, default=None,
@@ -114,8 +119,9 @@ def _demo_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-def model_from_args(args) -> ModelConfig:
-    cfg = QWEN3_0_6B.with_overrides(dtype=DTYPES[args.dtype])
+def model_from_args(args) -> Arch:
+    """The built-in demo's model: the demo preset with the size options applied."""
+    cfg = get_arch(DEMO_MODEL).with_overrides(dtype=DTYPES[args.dtype])
     if args.scale is not None:
         if args.scale <= 0:
             raise SystemExit("reshard demo: --scale must be > 0")
@@ -126,78 +132,58 @@ def model_from_args(args) -> ModelConfig:
                               heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, vocab=args.vocab)
 
 
+def demo_config(args):
+    """The :class:`~reshard.apps.demo.DemoConfig` of parsed ``reshard demo`` options (``SystemExit`` on a clash)."""
+    from ..execution.methods import METHODS
+    from .demo import DemoConfig, default_train
+
+    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        raise SystemExit(f"reshard demo: unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
+    common = dict(colocate=args.colocate, source_dtype=DTYPES[args.source_dtype] if args.source_dtype else None,
+                  max_bucket_bytes=int(args.max_bucket_mb * (1 << 20)) or None, repeat=args.repeat, seed=args.seed,
+                  methods=methods, progress=not args.quiet, domain_size=args.domain_size)
+    if args.model is None:  # the built-in demo: FSDP2 training, torch tensor parallel inference replicas
+        given = [f"--{o}" for o in ("train", "infer") if getattr(args, o) is not None]
+        if given:
+            raise SystemExit(f"reshard demo: {', '.join(given)} needs --model")
+        sources, tp, dp = args.sources or 4, args.tp or 2, args.dp or 2
+        model = model_from_args(args)
+        return DemoConfig(model=DEMO_MODEL, train=f"fsdp:dp{sources}", infer=f"dtensor:tp{tp},dp{dp}",
+                          arch_overrides=tuple((f, getattr(model, f)) for f in ("layers", "hidden", "intermediate",
+                                                                               "heads", "kv_heads", "head_dim",
+                                                                               "vocab", "dtype")),
+                          **common)
+    clash = [f"--{o}" for o in ("sources", "tp", "dp", "scale") if getattr(args, o) is not None]
+    if clash:
+        raise SystemExit(f"reshard demo: {', '.join(clash)} cannot be used with --model; set the ranks with "
+                         f"--train and --infer")
+    overrides = tuple((k, getattr(args, k)) for k in ("layers", "hidden", "intermediate", "heads", "kv_heads",
+                                                      "head_dim", "vocab") if getattr(args, k) is not None)
+    cfg = DemoConfig(model=args.model, tiny=args.tiny, arch_overrides=overrides + (("dtype", DTYPES[args.dtype]),),
+                     **common)
+    return DemoConfig(model=args.model, train=args.train or default_train(cfg.arch), infer=args.infer or "tp2",
+                      tiny=args.tiny, arch_overrides=cfg.arch_overrides, **common)
+
+
 def _demo(args) -> int:
     from rich.console import Console
 
     from ..tensors import LayoutError
-    from .demo import METHODS, DemoConfig
+    from .demo import header_line
 
     console = Console()
-    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown or not methods:
-        console.print(f"[red]reshard demo: unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
-        return 2
-    if args.model is not None:
-        return _demo_model(args, console, methods)
-    for opt in ("train", "infer"):
-        if getattr(args, opt) is not None:
-            console.print(f"[red]reshard demo: --{opt} needs --model")
-            return 2
-    args.sources, args.tp, args.dp = args.sources or 4, args.tp or 2, args.dp or 2
-    model = model_from_args(args)
-    cfg = DemoConfig(
-        model=model, sources=args.sources, tp=args.tp, dp=args.dp, colocate=args.colocate,
-        source_dtype=DTYPES[args.source_dtype] if args.source_dtype else None,
-        max_bucket_bytes=int(args.max_bucket_mb * (1 << 20)) or None, repeat=args.repeat, seed=args.seed,
-        methods=methods, progress=not args.quiet, domain_size=args.domain_size,
-    )
     try:
+        cfg = demo_config(args)
         lay = cfg.layouts()
-    except (LayoutError, ValueError) as e:
-        console.print(f"[red]reshard demo: {e}")
+    except SystemExit as e:
+        console.print(str(e), style="red", highlight=False)
         return 2
-    n = cfg.tp * cfg.dp
-    console.print(
-        f"[bold]reshard demo[/]: {len(lay.specs)} tensors, {model.num_params / 1e9:.3f} B params "
-        f"({model.nbytes / 1e9:.2f} GB {args.dtype}), {cfg.sources} source ranks -> {n} destination ranks "
-        f"(tp={cfg.tp} x dp={cfg.dp}{', colocated' if cfg.colocate else ''}), {lay.world_size} processes, gloo")
-    return _run_and_report(cfg, args, console)
-
-
-def _demo_model(args, console, methods) -> int:
-    """``reshard demo --model NAME``: real Megatron/FSDP and vLLM layouts of a (tiny) preset."""
-    from ..tensors import LayoutError
-    from .demo import _BYTES, _PARAMS, DemoConfig, _size
-
-    clash = [f"--{o}" for o in ("sources", "tp", "dp", "scale") if getattr(args, o) is not None]
-    if clash:
-        console.print(f"[red]reshard demo: {', '.join(clash)} cannot be used with --model; "
-                      f"set the ranks with --train and --infer")
-        return 2
-    overrides = tuple((k, getattr(args, k)) for k in ("layers", "hidden", "intermediate", "heads", "kv_heads",
-                                                      "head_dim", "vocab") if getattr(args, k) is not None)
-    cfg = DemoConfig(
-        preset=args.model, train=args.train, infer=args.infer, tiny=args.tiny, colocate=args.colocate,
-        source_dtype=DTYPES[args.source_dtype] if args.source_dtype else None,
-        arch_overrides=overrides + (("dtype", DTYPES[args.dtype]),),
-        max_bucket_bytes=int(args.max_bucket_mb * (1 << 20)) or None, repeat=args.repeat, seed=args.seed,
-        methods=methods, progress=not args.quiet, domain_size=args.domain_size,
-    )
-    try:
-        arch = cfg.arch
-        lay = cfg.layouts()
     except (LayoutError, ValueError) as e:
         console.print(f"reshard demo: {e}", style="red", highlight=False)
         return 2
-    nbytes = sum(s.nbytes for s in lay.specs)
-    console.print(
-        f"[bold]reshard demo[/]: {cfg.model_name} ({arch.family}), {len(lay.specs)} tensors, "
-        f"{_size(sum(s.numel for s in lay.specs), _PARAMS)} ({_size(nbytes, _BYTES)} {args.dtype}); "
-        f"train {cfg.train_spec} on {len(lay.source_ranks)} ranks"
-        f"{f' ({args.source_dtype} weights)' if args.source_dtype else ''} -> infer {cfg.infer_spec} on "
-        f"{len(lay.destination_ranks)} ranks{', colocated' if cfg.colocate else ''}, {lay.world_size} processes, "
-        f"gloo", highlight=False)
+    console.print(header_line(cfg, lay), highlight=False)
     return _run_and_report(cfg, args, console)
 
 
@@ -219,8 +205,6 @@ def _run_and_report(cfg, args, console) -> int:
 
 
 def _plan_parser(sub) -> argparse.ArgumentParser:
-    from ..models import PRESETS
-
     p = sub.add_parser(
         "plan", help="plan a whole model's refit between two parallel configurations and summarize it",
         description=(
@@ -235,17 +219,21 @@ def _plan_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--train", required=True, metavar="SPEC",
                    help="training parallelism: Megatron sizes like tp1,ep16,pp4,dp2 (with ep > 1, dp counts "
                         "replicas of the expert grid: world = etp x ep x pp x dp; else world = tp x cp x pp x dp), "
-                        "or fsdp:dp64[,tp8][,hsdp2] for FSDP2")
+                        "or fsdp:dp64[,tp8][,hsdp2] for FSDP2; training ranks are 0..M-1")
     p.add_argument("--infer", required=True, metavar="SPEC",
-                   help="inference parallelism (vLLM): tp8,dp16 = 16 engines of 8 ranks; add ep for expert parallel")
+                   help="inference parallelism (vLLM): tp8,dp16 = one vLLM deployment of 16 x 8 ranks with "
+                        "data_parallel_size=16 (its MoE layers split over all 128 ranks); add ep for expert "
+                        "parallel; dtensor:tp2,dp2 for torch tensor parallel replicas; inference ranks are "
+                        "M..M+N-1")
     p.add_argument("--max-bucket-mb", type=float, default=0,
                    help="staging cap per rank in MiB for the plan's rounds (default: none)")
     p.add_argument("--no-baseline", action="store_true", help="skip the gather-and-broadcast byte count")
-    p.add_argument("--plot", metavar="DIR", default=None,
-                   help="also write two PNGs to DIR: bytes per (source, destination) rank pair as a heat map, and "
-                        "each GPU's load on NIC out/in and NVLink out/in (seconds at link bandwidth) with the "
-                        "bottleneck marked, for the refit reshard runs on --topology (over NVLink domains: "
-                        "network once per domain, then NVLink); prints their paths and the modeled time")
+    p.add_argument("--plot", metavar="DIR", nargs="?", const=DEFAULT_OUT, default=None,
+                   help="also write two PNGs to DIR (default when DIR is left out: ./" + DEFAULT_OUT + "): bytes "
+                        "per (source, destination) rank pair as a heat map, and each GPU's load on NIC out/in and "
+                        "NVLink out/in (seconds at link bandwidth) with the bottleneck marked, for the refit "
+                        "reshard runs on --topology (over NVLink domains: network once per domain, then NVLink); "
+                        "prints their paths and the modeled time")
     p.add_argument("--topology", metavar="NAME_OR_FILE", default="dgx-h100",
                    help="machine for --plot: a preset (dgx-h100, gb200-nvl72, cpu) or a .json/.yaml file of "
                         "Topology fields (see docs/cost_model.md); training ranks go on GPUs 0..M-1, inference "
@@ -272,8 +260,7 @@ def _plan(args) -> int:
     console.print(f"layouts built in {refit.build_s:.2f} s, planned in {plan_s:.2f} s; "
                   f"fingerprint {p.fingerprint()}")
     if args.plot is not None:
-        from ..modeling.cost import model_time, traffic_from_pairs
-        from ..modeling.plots import plot_link_load, plot_pair_bytes
+        from ..modeling.pipeline import RefitModel
         from ..modeling.topology import Placement, Topology
 
         try:
@@ -282,23 +269,11 @@ def _plan(args) -> int:
             console.print(f"reshard plan: --topology: {e}", style="red", highlight=False)
             return 2
         place = Placement.contiguous(topo, refit.train_world, refit.infer_world)
-        if topo.gpus_per_domain > 1:  # what reshard runs there: network once per domain, then NVLink
-            from ..planning.hierarchy import hierarchical_plan
-
-            h = hierarchical_plan(refit.source, refit.destination, dict(enumerate(place.domain_of.tolist())),
-                                  max_bucket_bytes=p.max_bucket_bytes)
-            phases, names, plans = h.phase_pair_bytes, h.phase_names, h.phases
-        else:
-            phases, names, plans = [p.pair_bytes], ["transfer"], [p]
-        quotas = [q.quotas for q in plans] if p.max_bucket_bytes is not None else None
-        traffic = traffic_from_pairs(phases, place, topo, names=names, quotas=quotas)
-        est = model_time(traffic, topo)
+        m = RefitModel.build(refit.source, refit.destination, topo, placement=place, direct=p,
+                             max_bucket_bytes=p.max_bucket_bytes)
+        _, est = m.estimate(m.reshard)
         stem = f"{args.model}-{args.train}-{args.infer}".replace(",", "_").replace(":", "_")
-        paths = [plot_pair_bytes(p.pair_bytes, f"{args.plot}/{stem}-pairs.png", sources=p.source.ranks,
-                                 destinations=p.destination.ranks, block=topo.gpus_per_node,
-                                 title=f"{args.model}: bytes per (source, destination) pair"),
-                 plot_link_load(traffic, f"{args.plot}/{stem}-links.png", topo, estimate=est,
-                                title=f"{args.model}: link load per GPU")]
+        paths = m.write_plots(args.plot, stem, args.model)
         b = est.bottleneck
         console.print(f"modeled on {topo.name} ({place.describe()}): {est.seconds:.3f} s"
                       + (f"; bottleneck {b.describe()}" if b else ""), highlight=False)
@@ -321,7 +296,10 @@ def _simulate_parser(sub) -> argparse.ArgumentParser:
     )
     p.add_argument("--cases", default=",".join(c.key for c in CASES),
                    help="comma-separated, from: " + ", ".join(c.key for c in CASES) + " (default: all)")
-    p.add_argument("--png", default="simulate.png", help="chart path (default %(default)s; '' for none)")
+    p.add_argument("--out", metavar="DIR", default=DEFAULT_OUT,
+                   help="folder for the chart (default ./%(default)s)")
+    p.add_argument("--png", metavar="PATH", default=None,
+                   help="chart path (default: OUT/simulate.png; '' for no chart)")
     p.add_argument("--bucket-mb", type=float, default=1024,
                    help="staging cap per GPU in MiB, which sets the rounds (default %(default)s)")
     p.add_argument("--json", default=None, help="also write the results as JSON here")
@@ -346,8 +324,9 @@ def _simulate(args) -> int:
         with console.status(f"planning and modeling {k} ..."):
             results.append(simulate_case(known[k], max_bucket_bytes=int(args.bucket_mb * (1 << 20))))
     render(results, console, f"modeled refit time (staging cap {args.bucket_mb:g} MiB per GPU)")
-    if args.png:
-        console.print(f"wrote {plot(results, args.png)}", highlight=False)
+    png = f"{args.out}/simulate.png" if args.png is None else args.png
+    if png:
+        console.print(f"wrote {plot(results, png)}", highlight=False)
     if args.json:
         import json
 

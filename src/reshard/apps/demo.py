@@ -1,12 +1,15 @@
-"""The refit demo: one model, both executors, every destination byte verified.
+"""The refit demo: one model, several methods, every destination byte verified.
 
-:func:`run_demo` spawns ``M + N`` local processes (CPU, gloo). Each builds the demo
-layouts and the plan, fills its source buffers with :mod:`reshard.verify` values,
-then for each method (reshard, gather-and-broadcast) and each repeat: zeroes its
-destination buffers, meets the others at a barrier, runs the executor, meets them
-again, and checks its destination buffers bit for bit. Rank 0 shows the phases as
-they go and writes the collected figures to a JSON file that :func:`run_demo`
-returns as a dict; :func:`print_report` turns that into the table.
+:func:`run_demo` spawns ``M + N`` local processes (CPU, gloo). Each builds the layouts of the
+model and the plans, fills its source buffers with :mod:`reshard.verify` values, then for each
+method (:mod:`reshard.execution.methods`) and each repeat: zeroes its destination buffers, meets
+the others at a barrier, runs the executor, meets them again, and checks its destination buffers
+bit for bit. Rank 0 shows the phases as they go and writes the collected figures to a JSON file
+that :func:`run_demo` returns as a dict; :func:`print_report` turns that into the table.
+
+The default is the built-in demo: the ``qwen3-0.6b-untied`` preset, FSDP2 training on 4 ranks
+(``fsdp:dp4``) and torch tensor parallelism in 2 replicas of 2 ranks (``dtensor:tp2,dp2``); a
+named preset with Megatron-Core / vLLM layouts works the same way (``tiny=True`` shrinks it).
 """
 
 from __future__ import annotations
@@ -17,23 +20,19 @@ import os
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from .. import verify
-from ..execution.direct import HierarchicalExecutor, ReshardExecutor, RunStats
-from ..execution.gather_broadcast import GatherBroadcastExecutor
+from ..execution.methods import GATHER_BROADCAST, HIERARCHICAL, RESHARD, method_executor, method_plan
 from ..execution.process_group import spawn
-from ..models.arch import Arch, get_arch
-from ..models.demo_model import QWEN3_0_6B, DemoLayouts, ModelConfig, demo_layouts
-from ..planning.hierarchy import cross_domain_bytes, hierarchical_plan
-from ..planning.plan import plan as make_plan
+from ..frameworks.parallel import ModelLayouts, model_layouts
+from ..models.arch import DEMO_MODEL, Arch, get_arch, tiny_arch
+from ..planning.hierarchy import cross_domain_bytes
 
-RESHARD, GATHER_BROADCAST, HIERARCHICAL = "reshard", "gather-broadcast", "hierarchical"
-METHODS = (RESHARD, GATHER_BROADCAST, HIERARCHICAL)
 DEFAULT_METHODS = (RESHARD, GATHER_BROADCAST)
 MiB = 1 << 20
 
@@ -42,89 +41,43 @@ MiB = 1 << 20
 class DemoConfig:
     """Everything a demo run depends on (picklable: it travels to the spawned ranks)."""
 
-    model: ModelConfig = QWEN3_0_6B
-    sources: int = 4
-    tp: int = 2
-    dp: int = 2
-    colocate: bool = False
+    model: str | Arch = DEMO_MODEL  # a preset name or an Arch
+    train: str = "fsdp:dp4"  # training side (frameworks.parallel.TrainParallel)
+    infer: str = "dtensor:tp2,dp2"  # inference side (frameworks.parallel.InferParallel)
+    tiny: bool = False  # shrink the model to a small random one of its family (models.tiny_arch)
+    arch_overrides: tuple[tuple[str, object], ...] = ()  # applied after shrinking, e.g. (("layers", 3),)
+    colocate: bool = False  # inference ranks 0..N-1, shared with training ranks (else M..M+N-1)
     source_dtype: torch.dtype | None = None  # training-side dtype (None: the model's)
     max_bucket_bytes: int | None = 64 * MiB
     repeat: int = 1
     seed: int = 0
     methods: tuple[str, ...] = DEFAULT_METHODS
     progress: bool = True
-    # a named model with real framework layouts (reshard.apps.report.build_refit) instead of the
-    # Qwen3-like model above: preset name (or an Arch), training and inference configs
-    preset: str | Arch | None = None
-    train: str | None = None
-    infer: str | None = None
-    tiny: bool = True  # shrink the preset to a small random model of the same family (see tiny_arch)
     # pretend NVLink domains of this many consecutive ranks for the hierarchical method (inference
     # ranks start a fresh domain); 0: all inference ranks in one domain
     domain_size: int = 0
-    arch_overrides: tuple[tuple[str, object], ...] = ()  # applied after shrinking, e.g. (("layers", 3),)
 
     @property
-    def arch(self) -> Arch | None:
-        """The model of a ``preset`` run (shrunk if ``tiny``, with the overrides), else ``None``."""
-        if self.preset is None:
-            return None
-        a = get_arch(self.preset) if isinstance(self.preset, str) else self.preset
+    def arch(self) -> Arch:
+        """The model refitted: the preset, shrunk if ``tiny``, with the overrides."""
+        a = get_arch(self.model)
         if self.tiny:
             a = tiny_arch(a)
         return a.with_overrides(**dict(self.arch_overrides))
 
     @property
-    def model_name(self) -> str | None:
-        if self.preset is None:
-            return None
-        name = self.preset if isinstance(self.preset, str) else self.preset.family
+    def model_name(self) -> str:
+        name = self.model if isinstance(self.model, str) else self.model.family
         return f"tiny {name}" if self.tiny else name
 
-    @property
-    def train_spec(self) -> str:
-        return self.train or default_train(self.arch)
-
-    @property
-    def infer_spec(self) -> str:
-        return self.infer or "tp2"
-
-    def layouts(self) -> DemoLayouts:
-        if self.preset is None:
-            return demo_layouts(self.model, self.sources, self.tp, self.dp, colocate=self.colocate,
-                                src_dtype=self.source_dtype)
-        from ..models.arch import model_specs
-        from .report import build_refit
-
-        refit = build_refit(self.arch, self.train_spec, self.infer_spec, source_dtype=self.source_dtype,
-                            colocate=self.colocate)
-        src, dst = refit.source, refit.destination
-        return DemoLayouts(model_specs(refit.arch), src, dst, list(src.ranks), list(dst.ranks))
+    def layouts(self) -> ModelLayouts:
+        return model_layouts(self.arch, self.train, self.infer, colocate=self.colocate,
+                             source_dtype=self.source_dtype)
 
 
-def default_train(arch: Arch | None) -> str:
-    """The training config a ``preset`` run uses unless told: expert parallel for MoE, else TP."""
-    return "tp1,ep2" if arch is not None and arch.is_moe else "tp2"
-
-
-def tiny_arch(a: Arch) -> Arch:
-    """A small random model of ``a``'s family that refits in seconds on a laptop.
-
-    Keeps what decides the layouts' structure: the family (GQA with q/k norms, MoE with a
-    router and experts, DeepSeek's MLA with low-rank q/kv, dense first layers, shared
-    experts, MTP layers), tied or untied embeddings, the dtype. Sizes are chosen so that
-    TP, EP and ETP up to 4 divide what they split (8 heads, 4 KV heads, 8 experts) and the
-    vocabulary (1000) is padded by both Megatron and vLLM.
-    """
-    kw: dict = dict(hidden=64, layers=2, vocab=1000, heads=8, kv_heads=4, head_dim=16, intermediate=128)
-    if a.is_moe:
-        kw.update(experts=8, moe_intermediate=32, shared_experts=min(a.shared_experts, 1),
-                  first_dense_layers=min(a.first_dense_layers, 1))
-        kw["layers"] = 2 + kw["first_dense_layers"]
-    if a.is_mla:
-        kw.update(kv_heads=8, qk_nope_head_dim=16, qk_rope_head_dim=8, head_dim=24, v_head_dim=16,
-                  kv_lora_rank=32, q_lora_rank=None if a.q_lora_rank is None else 32)
-    return replace(a, **kw)
+def default_train(arch: Arch) -> str:
+    """The training config a named-model run uses unless told: expert parallel for MoE, else TP."""
+    return "tp1,ep2" if arch.is_moe else "tp2"
 
 
 class DemoFailed(RuntimeError):
@@ -139,14 +92,8 @@ class _Phases:
         self.seconds: dict[str, float] = {}
         self.progress = None
         if show:
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                SpinnerColumn,
-                TextColumn,
-                TimeElapsedColumn,
-            )
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
+                                       TimeElapsedColumn)
 
             self.progress = Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(),
                                      MofNCompleteColumn(), TimeElapsedColumn(), transient=True)
@@ -185,10 +132,10 @@ def _worker(rank: int, world: int, cfg: DemoConfig, result_path: str) -> None:
             json.dump(result, f)
 
 
-def _refit(rank: int, world: int, cfg: DemoConfig, lay: DemoLayouts, ph: _Phases) -> dict:
+def _refit(rank: int, world: int, cfg: DemoConfig, lay: ModelLayouts, ph: _Phases) -> dict:
     def planning():
         t = time.perf_counter()
-        p = make_plan(lay.source, lay.destination, max_bucket_bytes=cfg.max_bucket_bytes)
+        p = method_plan(RESHARD, lay.source, lay.destination, max_bucket_bytes=cfg.max_bucket_bytes)
         return p, time.perf_counter() - t
 
     plan, planner_s = ph.run("planning (every rank)", planning, "planning")
@@ -202,11 +149,9 @@ def _refit(rank: int, world: int, cfg: DemoConfig, lay: DemoLayouts, ph: _Phases
     domains = demo_domains(lay, cfg.domain_size)
     for method in cfg.methods:
         t = time.perf_counter()
-        if method == HIERARCHICAL:
-            hplan = hierarchical_plan(lay.source, lay.destination, domains, max_bucket_bytes=cfg.max_bucket_bytes)
-            ex = HierarchicalExecutor(hplan)
-        else:
-            ex = ReshardExecutor(plan) if method == RESHARD else GatherBroadcastExecutor(plan)
+        mplan = plan if method != HIERARCHICAL else method_plan(
+            method, lay.source, lay.destination, max_bucket_bytes=cfg.max_bucket_bytes, domains=domains)
+        ex = method_executor(method, mplan)
         setup_s = time.perf_counter() - t
 
         def one_run():
@@ -215,8 +160,6 @@ def _refit(rank: int, world: int, cfg: DemoConfig, lay: DemoLayouts, ph: _Phases
             dist.barrier()
             t0 = time.perf_counter()
             stats = ex.run(src_bufs, dst_bufs)
-            if isinstance(stats, list):
-                stats = _merged(stats)
             return time.perf_counter() - t0, stats
 
         reps, bad = [], []
@@ -229,11 +172,10 @@ def _refit(rank: int, world: int, cfg: DemoConfig, lay: DemoLayouts, ph: _Phases
         seen: list = [None] * world
         dist.all_gather_object(seen, (rank, setup_s, [(w, asdict(s)) for w, s in reps], bad))
         methods[method] = _method_summary(seen, lay, cfg.repeat)
-        if method == HIERARCHICAL:
-            methods[method]["cross_domain_bytes"] = sum(hplan.cross_domain_bytes.values())
-            methods[method]["phases"] = hplan.phase_names
-        elif method == RESHARD:
-            methods[method]["cross_domain_bytes"] = sum(cross_domain_bytes(plan.pair_bytes, domains).values())
+        if method != GATHER_BROADCAST:
+            methods[method]["cross_domain_bytes"] = sum(
+                sum(cross_domain_bytes(p.pair_bytes, domains).values()) for p in mplan.phases)
+            methods[method]["phases"] = mplan.phase_names
     peak_dst = max((largest_piece_bytes(lay, r) for r in lay.destination_ranks), default=0)
     part = plan.for_rank(rank)
     largest_copy = max((c.nbytes for m in part.sends + part.recvs for c in m.copies), default=0)
@@ -254,7 +196,7 @@ def _refit(rank: int, world: int, cfg: DemoConfig, lay: DemoLayouts, ph: _Phases
     }
 
 
-def demo_domains(lay: DemoLayouts, size: int) -> dict[int, int]:
+def demo_domains(lay: ModelLayouts, size: int) -> dict[int, int]:
     """Pretend NVLink domains: ``size`` consecutive ranks each, the inference ranks from a fresh
     domain (0: all inference ranks in one). Colocated ranks keep one domain for both roles."""
     dst = lay.destination_ranks
@@ -267,21 +209,13 @@ def demo_domains(lay: DemoLayouts, size: int) -> dict[int, int]:
     return out
 
 
-def _merged(stats: list[RunStats]) -> RunStats:
-    """One run's figures over the phases of a hierarchical refit."""
-    return RunStats(stats[0].rank, sum(s.seconds for s in stats), sum(s.sent_bytes for s in stats),
-                    sum(s.recv_bytes for s in stats), sum(s.local_bytes for s in stats),
-                    max(s.peak_staging_bytes for s in stats), sum(s.rounds for s in stats),
-                    sum(s.messages for s in stats))
-
-
-def largest_piece_bytes(lay: DemoLayouts, rank: int) -> int:
+def largest_piece_bytes(lay: ModelLayouts, rank: int) -> int:
     """Largest destination piece of ``rank``, in bytes (for the staging bound)."""
     return max((math.prod(p.sizes) * lay.destination.buffer_spec(rank, p.buffer)[1].itemsize
                 for p in lay.destination.pieces(rank)), default=0)
 
 
-def _method_summary(seen: list, lay: DemoLayouts, repeat: int) -> dict:
+def _method_summary(seen: list, lay: ModelLayouts, repeat: int) -> dict:
     walls = [max(s[2][i][0] for s in seen) for i in range(repeat)]  # slowest rank, per repeat
     last = {r: reps[-1][1] for r, _, reps, _ in seen}
     peak = max(st["peak_staging_bytes"] for _, _, reps, _ in seen for _, st in reps)
@@ -298,31 +232,15 @@ def _method_summary(seen: list, lay: DemoLayouts, repeat: int) -> dict:
     }
 
 
-def _config_dict(cfg: DemoConfig, lay: DemoLayouts) -> dict:
-    if cfg.preset is not None:
-        return _model_config_dict(cfg, lay)
-    m = cfg.model
+def _config_dict(cfg: DemoConfig, lay: ModelLayouts) -> dict:
+    a = lay.arch
     return {
-        "sources": cfg.sources, "tp": cfg.tp, "dp": cfg.dp, "destinations": cfg.tp * cfg.dp,
-        "colocate": cfg.colocate, "world": lay.world_size, "layers": m.layers, "hidden": m.hidden,
-        "intermediate": m.intermediate, "heads": m.heads, "kv_heads": m.kv_heads, "head_dim": m.head_dim,
-        "vocab": m.vocab, "dtype": str(m.dtype).removeprefix("torch."),
-        "source_dtype": str(cfg.source_dtype or m.dtype).removeprefix("torch."),
-        "params": sum(s.numel for s in lay.specs), "model_bytes": sum(s.nbytes for s in lay.specs),
-        "repeat": cfg.repeat, "seed": cfg.seed, "max_bucket_bytes": cfg.max_bucket_bytes,
-        "domain_size": cfg.domain_size,
-    }
-
-
-def _model_config_dict(cfg: DemoConfig, lay: DemoLayouts) -> dict:
-    a = cfg.arch
-    return {
-        "model": cfg.model_name, "family": a.family, "train": cfg.train_spec, "infer": cfg.infer_spec,
+        "model": cfg.model_name, "family": a.family, "train": lay.train.describe(), "infer": lay.infer.describe(),
         "sources": len(lay.source_ranks), "destinations": len(lay.destination_ranks),
-        "world": lay.world_size, "colocate": cfg.colocate, "arch": {k: (str(v).removeprefix("torch.")
-                                                                if isinstance(v, torch.dtype) else v)
-                                                            for k, v in asdict(a).items()},
+        "world": lay.world_size, "colocate": cfg.colocate,
+        "arch": {k: (str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else v) for k, v in asdict(a).items()},
         "dtype": str(a.dtype).removeprefix("torch."),
+        "source_dtype": str(cfg.source_dtype or a.dtype).removeprefix("torch."),
         "params": sum(s.numel for s in lay.specs), "model_bytes": sum(s.nbytes for s in lay.specs),
         "repeat": cfg.repeat, "seed": cfg.seed, "max_bucket_bytes": cfg.max_bucket_bytes,
         "domain_size": cfg.domain_size,
@@ -358,21 +276,28 @@ def _mib(n: int | None) -> str:
     return "none" if n is None else f"{n / MiB:.1f} MiB"
 
 
-def _framework(spec: str, default: str) -> str:
-    """``"tp1,ep2"`` -> ``"megatron tp1,ep2"``; ``"fsdp:dp2"`` -> ``"fsdp dp2"``."""
-    fw, _, rest = spec.rpartition(":")
-    return f"{fw or default} {rest}"
+PARAMS, BYTES = ("B params", "M params", "k params", "params"), ("GB", "MB", "kB", "bytes")
 
 
-_PARAMS, _BYTES = ("B params", "M params", "k params", "params"), ("GB", "MB", "kB", "bytes")
-
-
-def _size(n: int, units: tuple[str, str, str, str]) -> str:
-    """``n`` with the largest of (1e9, 1e6, 1e3, 1) ``units`` it reaches."""
+def human(n: int, units: tuple[str, str, str, str]) -> str:
+    """``n`` with the largest of (1e9, 1e6, 1e3, 1) ``units`` it reaches: ``human(752e6, PARAMS)`` is
+    ``'752.000 M params'``."""
     for scale, unit in zip((1e9, 1e6, 1e3), units):
         if n >= scale:
             return f"{n / scale:.3f} {unit}"
     return f"{n} {units[3]}"
+
+
+def header_line(cfg: DemoConfig, lay: ModelLayouts) -> str:
+    """What is about to run, in one line (printed before the ranks start)."""
+    nbytes = sum(s.nbytes for s in lay.specs)
+    src_dtype = f" ({str(cfg.source_dtype).removeprefix('torch.')} weights)" if cfg.source_dtype else ""
+    return (f"reshard demo: {cfg.model_name} ({lay.arch.family}), {len(lay.specs)} tensors, "
+            f"{human(sum(s.numel for s in lay.specs), PARAMS)} ({human(nbytes, BYTES)} "
+            f"{str(lay.arch.dtype).removeprefix('torch.')}); train {lay.train.describe()} on "
+            f"{len(lay.source_ranks)} ranks{src_dtype} -> infer {lay.infer.describe()} on "
+            f"{len(lay.destination_ranks)} ranks{', colocated' if cfg.colocate else ''}, {lay.world_size} "
+            f"processes, gloo")
 
 
 def report_table(result: dict):
@@ -382,21 +307,15 @@ def report_table(result: dict):
     c = result["config"]
     rep = c["repeat"]
     coloc = ", colocated" if c["colocate"] else ""
-    if "model" in c:
-        title = (f"refit {c['model']}: {_framework(c['train'], 'megatron')} on {c['sources']} ranks -> "
-                 f"{_framework(c['infer'], 'vllm')} on {c['destinations']} ranks, {_size(c['params'], _PARAMS)}, "
-                 f"{_size(c['model_bytes'], _BYTES)}")
-    else:
-        title = (f"refit {c['sources']} -> {c['destinations']} ranks (tp={c['tp']} x dp={c['dp']}{coloc}), "
-                 f"{c['params'] / 1e9:.3f} B params, {c['model_bytes'] / 1e9:.2f} GB")
+    title = (f"refit {c['model']}: {c['train']} on {c['sources']} ranks -> {c['infer']} on {c['destinations']} "
+             f"ranks{coloc}, {human(c['params'], PARAMS)}, {human(c['model_bytes'], BYTES)}")
     t = Table(title=title,
               caption=("time: wall time of the slowest rank" + (f", best of {rep} runs" if rep > 1 else "")
                        + "; wire: bytes all ranks sent to other ranks (in the destination dtype); recv/dst: most "
                          "bytes any destination rank received; staging/rank: most bytes any rank held in "
                          "transfer buffers; speedup: vs gather-broadcast"), caption_justify="left")
     t.add_column("method", no_wrap=True)
-    small = "model" in c and c["model_bytes"] < 1e9  # a tiny named model: its bytes in MB
-    scale, unit = (1e6, "MB") if small else (1e9, "GB")
+    scale, unit = (1e6, "MB") if c["model_bytes"] < 1e9 else (1e9, "GB")  # a tiny model: its bytes in MB
     for col in ["time s", f"wire {unit}", f"recv/dst {unit}", "staging/rank", "speedup"]:
         t.add_column(col, justify="right", no_wrap=True)
     base = result["methods"].get(GATHER_BROADCAST, {}).get("best_s")

@@ -1,7 +1,7 @@
 """``reshard simulate``: modeled refit times of whole models at cluster scale, beside published figures.
 
 For each case the real layouts are built (Megatron-Core training, vLLM inference), planned
-twice, and the plans' bytes per link fed to the cost model (:mod:`reshard.modeling.cost`):
+twice, and the plans' bytes per link fed to the cost model (:mod:`reshard.modeling.pipeline`):
 
     ours, hierarchical   each NVLink domain takes what it lacks over the network once
                          (from a source, or relayed by another domain when the sources hold
@@ -20,19 +20,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
-from ..modeling.cost import (
-    Demand,
-    gather_broadcast_time_of,
-    lower_bound,
-    model_time,
-    traffic_from_pairs,
-)
+from ..frameworks.parallel import model_layouts
+from ..modeling.pipeline import RefitModel
 from ..modeling.topology import Placement, Topology
-from ..planning.hierarchy import domain_need_bytes, hierarchical_plan
-from ..planning.plan import Plan
 
 GiB = 1 << 30
 
@@ -90,72 +84,26 @@ class Result:
         return self.gather_broadcast_s / self.hierarchical_s if self.hierarchical_s else float("nan")
 
 
-def demand_of(direct: Plan, hier, placement: Placement) -> Demand:
-    """What any refit of these layouts must move (the lower bound's inputs).
-
-    * per domain: the bytes the hierarchical plan brings in from other domains: every distinct box
-      its ranks need, minus what sources inside it hold (the planner takes a replica inside the
-      domain when there is one; tests check this against numpy masks);
-    * per destination rank: the bytes it receives in the direct plan (each element it needs and
-      does not hold, once: the minimum, as the property tests check);
-    * sources: with no source in any destination domain, every distinct box must leave the
-      sources once; bytes only one source rank holds leave through that rank's NIC.
-    """
-    dom = placement.domain_of
-    dst_domains = {int(dom[r]) for r in direct.destination.ranks}
-    src_domains = {int(dom[r]) for r in direct.source.ranks}
-    egress = 0.0
-    exclusive: dict[int, float] = {}
-    if not dst_domains & src_domains:  # every distinct box some destination holds leaves the sources
-        egress = float(sum(domain_need_bytes(direct.destination, {r: 0 for r in direct.destination.ranks}).values()))
-        exclusive = _exclusive_source_bytes(direct)
-    return Demand(domain_ingress_bytes=dict(hier.cross_domain_bytes), dest_need_bytes=dict(direct.recv_bytes),
-                  source_egress_bytes=egress, source_exclusive_bytes=exclusive)
-
-
-def _exclusive_source_bytes(p: Plan) -> dict[int, float]:
-    """Per source rank, bytes of the source regions it alone holds that a destination needs
-    (every destination rank here lies in another domain)."""
-    out: dict[int, float] = {}
-    for name in p.tensors:
-        st = p.source.tables[name]
-        if not len(st):
-            continue
-        inv, count = st.box_copies()
-        alone = count[inv] == 1
-        if not alone.any():
-            continue
-        isz = p.destination.uniform_itemsize(name) or p.destination.specs[name].dtype.itemsize
-        for r, v in zip(st.ranks[alone].tolist(), st.sizes[alone].prod(axis=1).tolist()):
-            out[r] = out.get(r, 0.0) + v * isz
-    return out
-
-
 def simulate_case(case: Case, *, max_bucket_bytes: int = GiB, gather_bucket_bytes: int | None = GiB,
                   topology: Topology | None = None) -> Result:
     """Build, plan and model one case (tens of seconds for the biggest)."""
-    from .report import build_refit
-
     t0 = time.perf_counter()
     topo = topology or Topology.preset(case.topology)
-    refit = build_refit(case.model, case.train, case.infer)
-    placement = Placement.contiguous(topo, refit.train_world, refit.infer_world, infer_start="domain")
-    domains = dict(enumerate(placement.domain_of.tolist()))
-    direct = Plan(refit.source, refit.destination)
-    hier = hierarchical_plan(refit.source, refit.destination, domains)
+    lay = model_layouts(case.model, case.train, case.infer)
+    placement = Placement.contiguous(topo, lay.train_world, lay.infer_world, infer_start="domain")
+    m = RefitModel.build(lay.source, lay.destination, topo, placement=placement)
+    if m.hierarchical is None:
+        raise ValueError(f"case {case.key}: topology {topo.name} has no NVLink domains of several GPUs")
     plan_s = time.perf_counter() - t0
-    tr_h = traffic_from_pairs(hier.phase_pair_bytes, placement, topo, names=hier.phase_names,
-                              max_bucket_bytes=max_bucket_bytes)
-    tr_d = traffic_from_pairs([direct.pair_bytes], placement, topo, max_bucket_bytes=max_bucket_bytes)
-    est_h = model_time(tr_h, topo, method="reshard hierarchical")
-    est_d = model_time(tr_d, topo, method="reshard direct")
-    est_g = gather_broadcast_time_of(direct, placement, topo, bucket_bytes=gather_bucket_bytes)
-    bound = lower_bound(demand_of(direct, hier, placement), placement, topo)
+    _, est_h = m.estimate(m.hierarchical, rounds_cap=max_bucket_bytes, method="reshard hierarchical")
+    _, est_d = m.estimate(m.direct, rounds_cap=max_bucket_bytes, method="reshard direct")
+    est_g = m.gather_broadcast(gather_bucket_bytes)
+    bound = m.lower_bound()
     b = bound.binding
     return Result(case, est_h.seconds, est_d.seconds, est_g.seconds, bound.seconds,
                   f"{b.name} ({b.where})" if b else "-",
                   est_h.bottleneck.describe() if est_h.bottleneck else "-",
-                  sum(hier.cross_domain_bytes.values()) / 1e9, plan_s)
+                  sum(m.hierarchical.cross_domain_bytes.values()) / 1e9, plan_s)
 
 
 def render(results: list[Result], console, title: str = "modeled refit time") -> None:
@@ -176,7 +124,7 @@ def render(results: list[Result], console, title: str = "modeled refit time") ->
                       f"{r.network_gb:,.0f} GB cross domains; planned in {r.plan_s:.1f} s")
 
 
-def plot(results: list[Result], path: str) -> str:
+def plot(results: list[Result], path: str | Path) -> Path:
     """Grouped bars per case (ours hierarchical / direct, gather-and-broadcast, lower bound), with
     the published figures as markers, on a log scale."""
     import matplotlib
@@ -205,9 +153,11 @@ def plot(results: list[Result], path: str) -> str:
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
 
 
-__all__ = ["CASES", "Case", "Result", "demand_of", "plot", "render", "simulate_case"]
+__all__ = ["CASES", "Case", "Result", "plot", "render", "simulate_case"]

@@ -1,17 +1,10 @@
-"""The baseline RL stacks use today: gather each full tensor on one source rank, broadcast it.
+"""The baseline executor: gather each full tensor on one source rank, broadcast it to every destination.
 
-For each tensor, in order: the source ranks send their parts of it to ``root`` (a
-source rank, the lowest by default, like training rank 0), ``root`` assembles the
-full tensor, broadcasts it to every destination rank, and each destination copies
-its pieces out of it. Every destination receives every byte of every tensor.
-It takes the same plan and buffers as :class:`reshard.execution.direct.ReshardExecutor`, so
-both run in one program on the same data.
-
-Per-rank bytes for tensor ``t`` on 4 -> 3 ranks (root 0)::
-
-    rank        0 (root)          1..3 (sources)     4..6 (destinations)
-    receives    3/4 of t          0                  all of t
-    sends       3 x t (logical)   1/4 of t each      0
+It runs the steps of :mod:`reshard.planning.baseline` one tensor at a time, as RL stacks do: the
+sources send their parts of the tensor to the root, the root assembles it and broadcasts it to
+every destination rank (a broadcast group of the root and the destinations), and each destination
+copies its pieces out of it. It takes the same plan and buffers as
+:class:`~reshard.execution.executor.ReshardExecutor`, so both run in one program on the same data.
 """
 
 from __future__ import annotations
@@ -23,51 +16,33 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..layout import Layout
-from ..placements import Replicate
+from ..planning.baseline import broadcast_members, default_root, gather_plan
 from ..planning.plan import Plan
 from ..planning.schedule import Copy, Message
-from ..tensors import buffer_view
-from .direct import Buffers, RunStats, agree, check_buffers, device_of
-from .local import copy_within, pack, unpack
+from ..tensors import box_slices, buffer_view
+from .base import Executor, PhaseStats, RunStats, agree, check_buffers, device_of, synchronize
+from .executor import DEFAULT_TIMEOUT
+from .packing import Buffers, copy_within, pack, unpack
 
 
-def gather_layout(plan: Plan, root: int) -> Layout:
-    """Full tensors on ``root``, each in a buffer named after it, in the destination's dtype."""
-    layouts = []
-    for name in plan.tensors:
-        spec = plan.destination.specs[name]
-        t = plan.destination.tables[name]
-        dtype = plan.destination.buffer_spec(int(t.ranks[0]), t.buffers[0])[1]
-        layouts.append(Layout.from_placements(spec, [root], (1,), [Replicate()], dtype=dtype))
-    return Layout.merge(layouts)
+class GatherBroadcastExecutor(Executor):
+    """Gather-and-broadcast over ``group`` (see module doc). Every rank of the group must construct
+    it (it creates the broadcast group) and call :meth:`run`. Its stats have two phases, ``gather``
+    and ``broadcast``, each summed over the tensors."""
 
-
-def gather_broadcast_bytes(plan: Plan, root: int | None = None) -> dict[str, int]:
-    """Logical bytes the baseline moves: ``gather`` (to root), ``broadcast`` (root to each destination)."""
-    root = min(plan.source.ranks) if root is None else root
-    gather = Plan(plan.source, gather_layout(plan, root))
-    receivers = [r for r in plan.destination.ranks if r != root]
-    full = sum(gather.destination.specs[n].numel * gather.destination.buffer_spec(root, n)[1].itemsize
-               for n in plan.tensors)
-    return {"gather": gather.wire_bytes, "broadcast": full * len(receivers)}
-
-
-class GatherBroadcastExecutor:
-    """Gather-and-broadcast over ``group`` (see module doc). Every rank of the group
-    must construct it (it creates the broadcast group) and call :meth:`run`."""
+    needed_bytes_only = False
+    bounded_staging = False
 
     def __init__(self, plan: Plan, group=None, *, root: int | None = None,
-                 timeout: timedelta = timedelta(minutes=5)) -> None:
+                 timeout: timedelta = DEFAULT_TIMEOUT) -> None:
         self.plan = plan
         self.group = group
         self.timeout = timeout
         self.rank = dist.get_rank()
-        self.root = min(plan.source.ranks) if root is None else root
-        self.gather = Plan(plan.source, gather_layout(plan, self.root))
-        members = sorted({self.root} | set(plan.destination.ranks))
-        self.members = members
-        self.bcast_group = dist.new_group(members)
+        self.root = default_root(plan) if root is None else root
+        self.gather = gather_plan(plan, self.root)
+        self.members = broadcast_members(plan, self.root)
+        self.bcast_group = dist.new_group(self.members)
         part = self.gather.for_rank(self.rank)
         # per tensor: what this rank sends to root / root receives from each source / root copies locally
         self.sends: dict[str, list[Copy]] = defaultdict(list)
@@ -86,6 +61,7 @@ class GatherBroadcastExecutor:
             self.my_pieces[p.tensor].append(p)
 
     def run(self, src_buffers: Buffers, dst_buffers: Buffers) -> RunStats:
+        """Move the bytes; ``dst_buffers`` are written in place. Collective over the group."""
         rank, root = self.rank, self.root
         need_src = {c.src_buffer for cs in self.sends.values() for c in cs} | {
             c.src_buffer for cs in self.local.values() for c in cs}
@@ -94,9 +70,10 @@ class GatherBroadcastExecutor:
               check_buffers(self.plan.source, rank, src_buffers, need_src, "source")
               or check_buffers(self.plan.destination, rank, dst_buffers, need_dst, "destination"))
         device = device_of(src_buffers, dst_buffers)
-        start = time.perf_counter()
-        sent = received = peak = 0
+        gather = PhaseStats("gather", 0.0, 0, 0, 0, 0, 0, 0)
+        bcast = PhaseStats("broadcast", 0.0, 0, 0, 0, 0, 0, 0)
         for name in self.plan.tensors:
+            t0 = time.perf_counter()
             shape, dtype = self.gather.destination.buffer_spec(root, name)
             full = None
             staging = 0
@@ -113,26 +90,31 @@ class GatherBroadcastExecutor:
                     w.wait(self.timeout)
                 for m, b in zip(msgs, bufs):
                     unpack(m, b, {name: full}, rank)
-                    received += m.payload_bytes
+                    gather.recv_bytes += m.payload_bytes
             elif name in self.sends:
                 m = Message(root, 0, self.sends[name])
                 payload = pack(m, src_buffers, rank)
                 staging += m.nbytes
                 dist.isend(payload, root, group=self.group).wait(self.timeout)
-                sent += m.payload_bytes
+                gather.sent_bytes += m.payload_bytes
+                gather.messages += 1
+            t1 = time.perf_counter()
             if full is not None:
                 flat = full.reshape(-1).view(torch.uint8)
                 dist.broadcast(flat, src=root, group=self.bcast_group)
-                nbytes = flat.numel()
                 if rank == root:
-                    sent += nbytes * (len(self.members) - 1)
+                    bcast.sent_bytes += flat.numel() * (len(self.members) - 1)
                 else:
-                    received += nbytes
+                    bcast.recv_bytes += flat.numel()
+                bcast.messages += 1
                 for p in self.my_pieces.get(name, []):
                     buffer_view(dst_buffers[p.buffer], p.buffer_offsets, p.sizes).copy_(
-                        full[tuple(slice(o, o + s) for o, s in zip(p.offsets, p.sizes))])
-            peak = max(peak, staging)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return RunStats(rank, time.perf_counter() - start, sent, received, 0, peak, len(self.plan.tensors),
-                        len(self.plan.tensors))
+                        full[box_slices(p.offsets, p.sizes)])
+            gather.seconds += t1 - t0
+            bcast.seconds += time.perf_counter() - t1
+            gather.peak_staging_bytes = bcast.peak_staging_bytes = max(gather.peak_staging_bytes, staging)
+        t = time.perf_counter()
+        synchronize(device)
+        bcast.seconds += time.perf_counter() - t
+        gather.rounds = bcast.rounds = len(self.plan.tensors)
+        return RunStats.of_phases(rank, [gather, bcast])

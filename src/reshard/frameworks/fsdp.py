@@ -27,53 +27,15 @@ replicated over TP.
 
 from __future__ import annotations
 
-import fnmatch
 from typing import Mapping, Sequence
 
-import numpy as np
 import torch
 
-from ..gc_pause import without_gc
-from ..layout import Layout, PieceTable, read_only
+from ..layout import Layout
 from ..models.arch import Arch, model_specs
-from ..placements import Replicate, Shard, StridedShard
+from ..placements import Replicate, Shard, StridedShard, check_ranks
 from ..tensors import LayoutError, TensorSpec
-from . import framework_layout
-
-COLWISE, ROWWISE, REPLICATE = "colwise", "rowwise", "replicate"
-
-#: module-name pattern -> TP style (fnmatch; first match wins; no match: replicated)
-DEFAULT_TP_PLAN: dict[str, str] = {
-    "*embed_tokens": ROWWISE,  # nn.Embedding, vocabulary rows
-    "*.q_proj": COLWISE,
-    "*.k_proj": COLWISE,
-    "*.v_proj": COLWISE,
-    "*.q_b_proj": COLWISE,
-    "*.kv_b_proj": COLWISE,
-    "*.o_proj": ROWWISE,
-    "*.gate_proj": COLWISE,
-    "*.up_proj": COLWISE,
-    "*.down_proj": ROWWISE,
-    "lm_head": COLWISE,
-    "*.shared_head.head": COLWISE,
-}
-
-
-def tp_placement(name: str, ndim: int, tp_plan: Mapping[str, str] | None = None):
-    """The TP placement of parameter ``name`` under ``tp_plan`` (``Shard(0)``, ``Shard(1)`` or ``Replicate()``)."""
-    plan = DEFAULT_TP_PLAN if tp_plan is None else tp_plan
-    module, _, leaf = name.rpartition(".")
-    style = next((s for pat, s in plan.items() if fnmatch.fnmatchcase(module, pat)), REPLICATE)
-    if style not in (COLWISE, ROWWISE, REPLICATE):
-        raise LayoutError(f"tensor {name!r}: unknown TP style {style!r}; use {COLWISE!r}, {ROWWISE!r} or {REPLICATE!r}")
-    if style == REPLICATE:
-        return Replicate()
-    if leaf == "bias":  # a column-parallel bias is split with the rows, a row-parallel one replicated
-        return Shard(0) if style == COLWISE else Replicate()
-    if ndim != 2:
-        raise LayoutError(f"tensor {name!r}: {style} needs a 2-D weight, this one has {ndim} dims")
-    embedding = module.endswith("embed_tokens")
-    return Shard(0) if (style == COLWISE) != embedding else Shard(1)
+from .tensor_parallel import dtensor_layout, tp_placement
 
 
 def fsdp_placements(spec: TensorSpec, *, dp_shard: int, dp_replicate: int = 1, tp: int = 1,
@@ -92,7 +54,6 @@ def fsdp_placements(spec: TensorSpec, *, dp_shard: int, dp_replicate: int = 1, t
     return mesh, fsdp
 
 
-@without_gc
 def fsdp_layout(
     arch_or_specs: Arch | Sequence[TensorSpec],
     ranks: Sequence[int],
@@ -109,47 +70,19 @@ def fsdp_layout(
     ``ranks`` lists the ``dp_replicate * dp_shard * tp`` training ranks row-major over the mesh
     ``(dp_replicate, dp_shard, tp)``. ``dtype`` overrides the buffers' dtype (fp32 master
     weights, say). ``tp_plan`` maps module-name patterns to ``"colwise"`` / ``"rowwise"`` /
-    ``"replicate"`` (default :data:`DEFAULT_TP_PLAN`). ``validate=None`` validates layouts of
-    up to 100 k pieces. Tensors with the same shape and placements share their piece arrays, so
-    big models build fast.
+    ``"replicate"`` (default :data:`~reshard.frameworks.tensor_parallel.DEFAULT_TP_PLAN`).
+    ``validate=None`` validates layouts of up to 100 k pieces.
     """
     specs = model_specs(arch_or_specs) if isinstance(arch_or_specs, Arch) else list(arch_or_specs)
-    ranks = [int(r) for r in ranks]
-    for what, v in (("dp_shard", dp_shard), ("dp_replicate", dp_replicate), ("tp", tp)):
-        if not isinstance(v, (int, np.integer)) or v < 1:
-            raise LayoutError(f"fsdp: {what} must be a positive integer, got {v!r}")
-    world = dp_replicate * dp_shard * tp
-    if len(ranks) != world:
-        raise LayoutError(f"fsdp: {len(ranks)} ranks given, but dp_replicate*dp_shard*tp = "
-                          f"{dp_replicate}*{dp_shard}*{tp} = {world}")
-    if len(set(ranks)) != len(ranks):
-        raise LayoutError(f"fsdp: ranks repeat a rank: {ranks}")
-    templates: dict[tuple, tuple[PieceTable, dict[int, tuple[int, ...]]]] = {}
-    tables: dict[str, PieceTable] = {}
-    buffers: dict[int, dict[str, tuple[tuple[int, ...], torch.dtype]]] = {r: {} for r in ranks}
-    by_name: dict[str, TensorSpec] = {}
+    check_ranks(ranks, "fsdp", dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp)
     for spec in specs:
-        if spec.name in by_name:
-            raise LayoutError(f"fsdp: tensor {spec.name!r} is listed twice")
-        by_name[spec.name] = spec
         if not spec.shape:
             raise LayoutError(f"fsdp: tensor {spec.name!r} is a scalar; FSDP2 shards dim 0")
-        mesh, placements = fsdp_placements(spec, dp_shard=dp_shard, dp_replicate=dp_replicate, tp=tp,
-                                           tp_plan=tp_plan)
-        key = (spec.shape, tuple(placements))
-        tpl = templates.get(key)
-        if tpl is None:
-            probe = TensorSpec("_", spec.shape, spec.dtype)
-            lay = Layout.from_placements(probe, ranks, mesh, placements, "chunk")
-            t = lay.tables["_"]
-            read_only((t.ranks, t.offsets, t.sizes, t.buffer_offsets))
-            tpl = templates[key] = (t, {r: lay.buffers(r)["_"][0] for r in ranks})
-        t, shapes = tpl
-        tables[spec.name] = PieceTable(t.ranks, t.offsets, t.sizes, (spec.name,) * len(t), t.buffer_offsets)
-        bdtype = dtype or spec.dtype
-        for r in ranks:
-            buffers[r][spec.name] = (shapes[r], bdtype)
-    return framework_layout(by_name, tables, buffers, validate)
+
+    def placements_of(spec: TensorSpec):
+        return fsdp_placements(spec, dp_shard=dp_shard, dp_replicate=dp_replicate, tp=tp, tp_plan=tp_plan)
+
+    return dtensor_layout(specs, ranks, placements_of, dtype=dtype, validate=validate, what="fsdp")
 
 
-__all__ = ["COLWISE", "DEFAULT_TP_PLAN", "REPLICATE", "ROWWISE", "fsdp_layout", "fsdp_placements", "tp_placement"]
+__all__ = ["fsdp_layout", "fsdp_placements"]

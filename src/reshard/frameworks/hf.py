@@ -71,9 +71,8 @@ import torch
 from ..gc_pause import without_gc
 from ..layout import Layout, PieceTable
 from ..models.arch import Arch, get_arch, model_specs
-from ..placements import Placement, Replicate, Shard, StridedShard, _local_runs
+from ..placements import Placement, Replicate, Shard, StridedShard, check_ranks, local_runs
 from ..tensors import LayoutError, TensorSpec
-from . import engine_ranks, framework_layout
 
 TRANSFORMERS_VERSION = "5.19.0"  # the version whose plans and parameter forms this module follows
 # model.tp_plan of the causal-LM classes in transformers 5.19.0: the config's base_model_tp_plan
@@ -147,7 +146,7 @@ def hf_tp_plan(arch: Arch | str) -> dict[str, str]:
     """``model.tp_plan`` of ``arch``'s causal-LM model: :data:`TP_PLANS` of its family, plus
     ``{"model.embed_tokens": "embedding_rowwise"}`` with tied embeddings (transformers'
     ``PreTrainedConfig`` adds it), so the one shared parameter is split by vocab rows."""
-    a = _as_arch(arch)
+    a = get_arch(arch)
     if a.family not in TP_PLANS:
         raise LayoutError(f"Hugging Face layout: no tensor-parallel plan for family {a.family!r}; "
                           f"supported: {', '.join(TP_PLANS)}")
@@ -157,14 +156,10 @@ def hf_tp_plan(arch: Arch | str) -> dict[str, str]:
     return plan
 
 
-def _as_arch(arch: Arch | str) -> Arch:
-    return get_arch(arch) if isinstance(arch, str) else arch
-
-
 def hf_parameters(arch: Arch | str) -> list[HFParam]:
     """The parameters of ``arch``'s transformers causal-LM model, full shapes, with the logical
     tensors each one holds (``named_parameters`` names; fused experts per layer)."""
-    a = _as_arch(arch)
+    a = get_arch(arch)
     hf_tp_plan(a)  # a family transformers has a plan for
     params: dict[str, HFParam] = {}
     fused: dict[str, list[Segment]] = {}
@@ -204,7 +199,7 @@ def check_hf_parameters(arch: Arch | str, param_shapes: Mapping[str, Sequence[in
         p = mine.get(name)
         if p is None:
             raise LayoutError(f"Hugging Face layout: the model has parameter {name!r} {shape} that the layout of "
-                              f"this {_as_arch(arch).family} architecture does not describe")
+                              f"this {get_arch(arch).family} architecture does not describe")
         if shape == p.shape:
             continue
         if len(shape) == 3 and shape == (p.shape[0], p.shape[2], p.shape[1]):
@@ -265,7 +260,7 @@ def _geometry(shape: tuple[int, ...], placement: Placement, tp: int,
               segments: tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]], ...]) -> _Geometry:
     """Pieces of each segment ``(lead, offsets, seg_shape)`` of a parameter of ``shape`` on each
     of ``tp`` mesh coordinates under ``placement`` (torch.chunk rules)."""
-    runs_by_coord = _local_runs(shape, (tp,), (placement,), "chunk")
+    runs_by_coord = local_runs(shape, (tp,), (placement,), "chunk")
     local_shapes = []
     per_seg: list[list[tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...]]]] = [[] for _ in segments]
     for t in range(tp):
@@ -330,8 +325,8 @@ def hf_layout(arch: Arch | str, ranks: Sequence[int], tp: int, dp: int = 1, *, d
     Raises :class:`LayoutError` for a family without a plan, a wrong number of ranks, or
     what transformers refuses (``lm_head``'s vocab not divisible by ``tp``).
     """
-    a = _as_arch(arch)
-    ranks_arr = engine_ranks(ranks, tp, dp, "Hugging Face")
+    a = get_arch(arch)
+    ranks_arr = check_ranks(ranks, "Hugging Face layout", tp=tp, dp=dp)
     if param_shapes is not None:
         check_hf_parameters(a, param_shapes)
     plan = hf_tp_plan(a)
@@ -363,4 +358,4 @@ def hf_layout(arch: Arch | str, ranks: Sequence[int], tp: int, dp: int = 1, *, d
                                             np.tile(sizes, (dp, 1)), (p.name,) * (len(coords) * dp),
                                             np.tile(boffs, (dp, 1)))
     buffers = {int(r): dict(per_coord[t]) for d in range(dp) for t, r in enumerate(grid[d].tolist())}
-    return framework_layout(specs, tables, buffers, validate)
+    return Layout(specs, tables, buffers, validate=validate)

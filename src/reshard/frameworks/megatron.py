@@ -88,8 +88,8 @@ import torch
 from ..gc_pause import without_gc
 from ..layout import Layout, PieceTable, Repeated, read_only
 from ..models.arch import Arch, model_specs
+from ..placements import check_ranks, check_sizes
 from ..tensors import LayoutError
-from . import framework_layout
 
 ALIAS = "#"
 TRANSFORMER_IMPLS = ("transformer_engine", "local")
@@ -137,9 +137,7 @@ def megatron_grid(world: int, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: int
                   dp: int | None = None) -> MegatronGrid:
     """The dense and expert grids of ``world`` ranks (``dp`` defaults to what ``world`` leaves)."""
     etp = tp if etp is None else etp
-    for what, v in (("tp", tp), ("pp", pp), ("ep", ep), ("etp", etp), ("cp", cp)):
-        if not isinstance(v, (int, np.integer)) or v < 1:
-            raise LayoutError(f"megatron: {what} must be a positive integer, got {v!r}")
+    check_sizes("megatron", tp=tp, pp=pp, ep=ep, etp=etp, cp=cp, **({} if dp is None else {"dp": dp}))
     model = tp * cp * pp
     if dp is None:
         if world % model:
@@ -484,11 +482,8 @@ def megatron_layout(
     if not te and moe_grouped_gemm and arch.is_moe:
         raise LayoutError("megatron: transformer_impl='local' with moe_grouped_gemm uses the legacy GroupedMLP, "
                           "which is not supported; pass moe_grouped_gemm=False (SequentialMLP)")
-    if len(set(ranks)) != len(ranks):
-        raise LayoutError(f"megatron: ranks repeat a rank: {ranks}")
-    if dp is not None and (not isinstance(dp, (int, np.integer)) or dp < 1):
-        raise LayoutError(f"megatron: dp must be a positive integer, got {dp!r}")
     g = megatron_grid(len(ranks), tp=tp, pp=pp, ep=ep, etp=etp, cp=cp, dp=dp)
+    check_ranks(ranks, "megatron", tp=g.tp, cp=g.cp, dp=g.dp, pp=g.pp)
     stage_layers = pipeline_split(arch.layers, pp, pp_layers)
     _check(arch, g, te)
 
@@ -552,7 +547,7 @@ def megatron_layout(
         d = dict(dense_bufs[(int(s), int(t))])
         d.update(expert_bufs.get((int(s), int(e), int(et)), {}))
         buffers[r] = d
-    return framework_layout(specs, tables, buffers, validate)
+    return Layout(specs, tables, buffers, validate=validate)
 
 
 def with_aliases(layout: Layout, rank: int, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

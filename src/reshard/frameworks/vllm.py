@@ -65,8 +65,8 @@ import torch
 from ..gc_pause import without_gc
 from ..layout import Layout, PieceTable, Repeated, read_only
 from ..models.arch import Arch, model_specs
+from ..placements import check_ranks
 from ..tensors import LayoutError, TensorSpec
-from . import engine_ranks, framework_layout
 
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 EXPERT_PLACEMENTS = ("linear", "round_robin")
@@ -139,7 +139,7 @@ def vllm_layout(arch: Arch, ranks: Sequence[int], tp: int, dp: int = 1, *, exper
     heads, KV heads (or not a multiple of them), intermediate sizes or the padded vocab,
     a wrong number of ranks, ...
     """
-    ranks_arr = engine_ranks(ranks, tp, dp, "vLLM")
+    ranks_arr = check_ranks(ranks, "vLLM layout", tp=tp, dp=dp)
     if expert_placement not in EXPERT_PLACEMENTS:
         raise LayoutError(f"unknown expert placement {expert_placement!r}; choose one of {EXPERT_PLACEMENTS}")
     vllm_dp = 1 if independent_engines else dp
@@ -154,7 +154,7 @@ def vllm_layout(arch: Arch, ranks: Sequence[int], tp: int, dp: int = 1, *, exper
         if b.add(spec):
             specs[spec.name] = spec
     tables = {name: b.tables[name] for name in specs}
-    return framework_layout(specs, tables, b.rank_buffers(), validate)
+    return Layout(specs, tables, b.rank_buffers(), validate=validate)
 
 
 def _check(a: Arch, tp: int, dp: int, independent: bool, ep: bool, shared_replicated: bool) -> None:

@@ -44,7 +44,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from ..planning import schedule
+from ..planning import baseline, schedule
 from .topology import Placement, Topology
 
 #: link kinds, in the order of the ``bytes``/``messages`` arrays
@@ -571,49 +571,13 @@ def gather_broadcast_time(tensor_bytes: Sequence[int], gather_sends: Sequence[Ma
 NIC_IN_NAME, NVL_IN_NAME = LINKS[NIC_IN], LINKS[NVL_IN]
 
 
-def gather_inputs(plan, root: int | None = None) -> tuple[list[str], list[int], list[dict[int, int]]]:
-    """Per tensor of ``plan``: (names, full bytes in the destination dtype, ``{source rank: bytes it
-    sends to root}``) for :func:`gather_broadcast_time`.
-
-    Pieces with the same box on several ranks are replicas: a box root holds is not sent; any
-    other box's bytes are split evenly over its holders (the planner spreads replicas). Boxes
-    are taken as equal or disjoint, which Shard/Replicate layouts give.
-    """
-    src = plan.source
-    root = min(src.ranks) if root is None else root
-    names, sizes, sends = [], [], []
-    cache: dict[tuple, dict[int, int]] = {}
-    for name in plan.tensors:
-        spec = plan.destination.specs[name]
-        isz = int(plan.destination.itemsizes(name)[0])
-        t = src.tables[name]
-        key = (t.geometry_key(), isz)
-        got = cache.get(key)
-        if got is None:
-            got = {}
-            if len(t):
-                inv, holders = t.box_copies()
-                held_by_root = set(inv[t.ranks == root].tolist())
-                vol = t.sizes.prod(axis=1) * isz
-                acc: dict[int, float] = defaultdict(float)
-                for r, u, v in zip(t.ranks.tolist(), inv.tolist(), vol.tolist()):
-                    if u not in held_by_root and r != root:
-                        acc[r] += v / holders[u]
-                got = {r: int(round(v)) for r, v in acc.items()}
-            cache[key] = got
-        names.append(name)
-        sizes.append(spec.numel * isz)
-        sends.append(got)
-    return names, sizes, sends
-
-
 def gather_broadcast_time_of(plan, placement: Placement, topology: Topology | None = None, *,
                              root: int | None = None, bucket_bytes: int | None = None,
                              channels: int = 16) -> Estimate:
-    """:func:`gather_broadcast_time` of a :class:`~reshard.planning.plan.Plan` (root: the lowest source rank,
-    as :class:`~reshard.execution.gather_broadcast.GatherBroadcastExecutor` picks)."""
-    root = min(plan.source.ranks) if root is None else root
-    _, sizes, sends = gather_inputs(plan, root)
+    """:func:`gather_broadcast_time` of a :class:`~reshard.planning.plan.Plan`, with the baseline's root
+    and per-tensor gather bytes (:mod:`reshard.planning.baseline`)."""
+    root = baseline.default_root(plan) if root is None else root
+    _, sizes, sends = baseline.gather_sends(plan, root)
     return gather_broadcast_time(sizes, sends, root, plan.destination.ranks, placement, topology,
                                  bucket_bytes=bucket_bytes, channels=channels)
 

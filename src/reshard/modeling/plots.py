@@ -186,18 +186,3 @@ def plot_link_load(traffic: Traffic, path: str | Path, topology: Topology | None
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-def write_plan_plots(plan, placement: Placement, out_dir: str | Path, *, prefix: str = "refit",
-                     topology: Topology | None = None) -> list[Path]:
-    """Both pictures of ``plan`` placed on ``placement``: ``{prefix}-pairs.png`` and ``{prefix}-links.png``."""
-    from .cost import model_time, traffic_from_pairs
-
-    topo = topology or placement.topology
-    out = Path(out_dir)
-    traffic = traffic_from_pairs([plan.pair_bytes], placement, topo, max_bucket_bytes=plan.max_bucket_bytes)
-    est = model_time(traffic, topo)
-    pairs = plot_pair_bytes(plan.pair_bytes, out / f"{prefix}-pairs.png", sources=plan.source.ranks,
-                            destinations=plan.destination.ranks, block=topo.gpus_per_node)
-    links = plot_link_load(traffic, out / f"{prefix}-links.png", topo, estimate=est)
-    return [pairs, links]

@@ -79,6 +79,10 @@ class Arch:
     def num_params(self) -> int:
         return sum(s.numel for s in model_specs(self))
 
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in model_specs(self))
+
 
 def _deepseek(**kw) -> Arch:
     base = dict(family="deepseek_v3", hidden=7168, layers=61, vocab=129280, heads=128, kv_heads=128, head_dim=192,
@@ -90,6 +94,8 @@ def _deepseek(**kw) -> Arch:
 
 PRESETS: dict[str, Arch] = {
     "qwen3-0.6b": Arch("qwen3", 1024, 28, 151936, 16, 8, 128, 3072, tie_embeddings=True),
+    # Qwen3-0.6B with an untied LM head (0.75 B parameters, 1.5 GB in bf16): the model of `reshard demo`
+    "qwen3-0.6b-untied": Arch("qwen3", 1024, 28, 151936, 16, 8, 128, 3072),
     "qwen3-8b": Arch("qwen3", 4096, 36, 151936, 32, 8, 128, 12288),
     "qwen3-32b": Arch("qwen3", 5120, 64, 151936, 64, 8, 128, 25600),
     "qwen3-30b-a3b": Arch("qwen3_moe", 2048, 48, 151936, 32, 4, 128, 6144, experts=128, moe_intermediate=768),
@@ -106,12 +112,43 @@ PRESETS: dict[str, Arch] = {
 }
 
 
-def get_arch(name: str) -> Arch:
-    """A preset by name (``deepseek-v3``, ``qwen3-30b-a3b``, ...)."""
+DEMO_MODEL = "qwen3-0.6b-untied"
+"""The preset ``reshard demo`` refits unless given ``--model``."""
+
+
+def get_arch(name: str | Arch) -> Arch:
+    """A preset by name (``deepseek-v3``, ``qwen3-30b-a3b``, ...); an :class:`Arch` is returned as is."""
+    if isinstance(name, Arch):
+        return name
     try:
         return PRESETS[name.lower()]
     except KeyError:
         raise LayoutError(f"unknown model {name!r}; known: {', '.join(PRESETS)}") from None
+
+
+def tiny_arch(a: Arch | str) -> Arch:
+    """A small random model of ``a``'s family that refits in seconds on a laptop.
+
+    Keeps what decides the layouts' structure: the family (GQA with q/k norms, MoE with a
+    router and experts, DeepSeek's MLA with low-rank q/kv, dense first layers, shared
+    experts, MTP layers), tied or untied embeddings, the dtype. Sizes are chosen so that
+    TP, EP and ETP up to 4 divide what they split (8 heads, 4 KV heads, 8 experts) and the
+    vocabulary (1000) is padded by both Megatron and vLLM.
+
+    >>> t = tiny_arch("deepseek-v3")
+    >>> t.family, t.hidden, t.layers, t.experts, t.first_dense_layers
+    ('deepseek_v3', 64, 3, 8, 1)
+    """
+    a = get_arch(a)
+    kw: dict = dict(hidden=64, layers=2, vocab=1000, heads=8, kv_heads=4, head_dim=16, intermediate=128)
+    if a.is_moe:
+        kw.update(experts=8, moe_intermediate=32, shared_experts=min(a.shared_experts, 1),
+                  first_dense_layers=min(a.first_dense_layers, 1))
+        kw["layers"] = 2 + kw["first_dense_layers"]
+    if a.is_mla:
+        kw.update(kv_heads=8, qk_nope_head_dim=16, qk_rope_head_dim=8, head_dim=24, v_head_dim=16,
+                  kv_lora_rank=32, q_lora_rank=None if a.q_lora_rank is None else 32)
+    return replace(a, **kw)
 
 
 _MODEL_TYPES = {"llama": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "deepseek_v3": "deepseek_v3",

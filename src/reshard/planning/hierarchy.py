@@ -48,12 +48,19 @@ AUTO = "auto"
 
 @dataclass
 class HierarchicalPlan:
-    """The phases of a domain-aware refit, and the figures a cost model needs."""
+    """The phases of a domain-aware refit, and the figures a cost model needs (a
+    :class:`~reshard.planning.plan.PhasedPlan`)."""
 
+    source: Layout  # what the network phase reads
+    destination: Layout  # every destination piece, filled by one phase or another
     network: Plan  # sources -> one receiver per (domain, box) (the seeds, when there is a relay)
     forward: Plan  # receivers -> the other ranks of their domain, over NVLink
     domains: dict[int, int]
     relay: Plan | None = None  # seeds -> receivers of other domains, over the network
+
+    @property
+    def max_bucket_bytes(self) -> int | None:
+        return self.network.max_bucket_bytes
 
     @property
     def phases(self) -> list[Plan]:
@@ -63,11 +70,6 @@ class HierarchicalPlan:
     @property
     def phase_names(self) -> list[str]:
         return ["network"] + (["relay"] if self.relay is not None else []) + ["NVLink forward"]
-
-    @property
-    def phase_pair_bytes(self) -> list[dict[tuple[int, int], int]]:
-        """``[{(src, dst): bytes}]`` per phase, the input of :func:`reshard.modeling.cost.traffic_from_pairs`."""
-        return [p.pair_bytes for p in self.phases]
 
     @cached_property
     def cross_domain_bytes(self) -> dict[int, int]:
@@ -145,7 +147,7 @@ def hierarchical_plan(source: Layout, destination: Layout, domains: Mapping[int,
     network = Plan(source, seeds, max_bucket_bytes=max_bucket_bytes, domains=domains)
     relay_plan = None if relayed is None else Plan(seeds, relayed, max_bucket_bytes=max_bucket_bytes, domains=domains)
     forward = Plan(receivers, rest, max_bucket_bytes=max_bucket_bytes, domains=domains)
-    return HierarchicalPlan(network, forward, domains, relay_plan)
+    return HierarchicalPlan(source, destination, network, forward, domains, relay_plan)
 
 
 def _source_copies(st: PieceTable) -> int:

@@ -19,6 +19,11 @@ Per-rank view (``plan.for_rank(r)``)::
     recvs   [Message(peer, round, copies)]   received and unpacked by r
     local   [Copy]   source buffer -> destination buffer on r, no wire
     fanout  [Copy]   destination buffer -> destination buffer on r, after all rounds
+
+Every plan follows one protocol, :class:`PhasedPlan`: a list of phases, each a :class:`Plan`,
+run in order (the first reads the source buffers, later ones the destination buffers the
+earlier ones filled). A plan from :func:`plan` is one phase; a hierarchical plan
+(:mod:`reshard.planning.hierarchy`) has two or three.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import itertools
 from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Mapping
+from typing import Mapping, Protocol
 
 import numpy as np
 
@@ -172,8 +177,38 @@ def _row_tuples(a: np.ndarray) -> list[tuple[int, ...]]:
     return list(zip(*a.T.tolist()))
 
 
+class PhasedPlan(Protocol):
+    """What every plan offers to executors, the cost model and reports.
+
+    >>> import torch, reshard as rs
+    >>> spec = rs.TensorSpec("w", (4, 6), torch.float32)
+    >>> src = rs.Layout.from_placements(spec, ranks=[0, 1], mesh_shape=(2,), placements=[rs.Shard(0)])
+    >>> dst = rs.Layout.from_placements(spec, ranks=[2, 3], mesh_shape=(2,), placements=[rs.Replicate()])
+    >>> p = rs.plan(src, dst)
+    >>> p.phase_names, p.phases == [p], p.wire_bytes
+    (['transfer'], True, 192)
+    """
+
+    source: Layout  # the layout the first phase reads
+    destination: Layout  # every destination piece the refit fills
+    max_bucket_bytes: int | None  # staging cap per rank and round (None: one round)
+
+    @property
+    def phases(self) -> list["Plan"]: ...  # run in order; the first reads the source buffers
+
+    @property
+    def phase_names(self) -> list[str]: ...
+
+    @property
+    def wire_bytes(self) -> int: ...  # bytes copied between distinct ranks, all phases
+
+    def fingerprint(self) -> str: ...  # equal on every rank that planned the same refit
+
+    def summary(self) -> dict: ...
+
+
 class Plan:
-    """All copies of a refit from ``source`` to ``destination`` (see module doc)."""
+    """All copies of a refit from ``source`` to ``destination`` (see module doc); one phase."""
 
     @without_gc
     def __init__(self, source: Layout, destination: Layout, *, max_bucket_bytes: int | None = None,
@@ -494,6 +529,20 @@ class Plan:
             "rounds": self.num_rounds, "max_send_bytes": max(self.send_bytes.values(), default=0),
             "max_recv_bytes": max(self.recv_bytes.values(), default=0), "send_balance": self.send_balance,
         }
+
+    @property
+    def phases(self) -> list["Plan"]:
+        """``[self]``: a direct plan is one phase (:class:`PhasedPlan`)."""
+        return [self]
+
+    @property
+    def phase_names(self) -> list[str]:
+        return ["transfer"]
+
+    @property
+    def num_geometries(self) -> int:
+        """Distinct tensor geometries (tensors that plan alike are intersected once)."""
+        return len(self._groups)
 
     def __repr__(self) -> str:
         return (f"Plan({len(self.tensors)} tensors, {len(self._groups)} geometries, wire_bytes={self.wire_bytes}, "

@@ -1,0 +1,59 @@
+"""Refit methods by name: the plan each one runs and the executor that runs it.
+
+    method            plan                                            executor
+    reshard           plan(source, destination)                       ReshardExecutor
+    hierarchical      hierarchical_plan(source, destination, domains)  ReshardExecutor (its phases)
+    gather-broadcast  plan(source, destination)                       GatherBroadcastExecutor
+
+The demo and the benchmarks pick methods from here, so a comparison can include any of them;
+``reshard`` and ``gather-broadcast`` share one plan.
+
+>>> import torch, reshard as rs
+>>> spec = rs.TensorSpec("w", (4, 4), torch.float32)
+>>> src = rs.Layout.from_placements(spec, ranks=[0], mesh_shape=(1,), placements=[rs.Replicate()])
+>>> dst = rs.Layout.from_placements(spec, ranks=[1, 2], mesh_shape=(2,), placements=[rs.Replicate()])
+>>> method_plan("hierarchical", src, dst, domains={0: 0, 1: 1, 2: 1}).phase_names
+['network', 'NVLink forward']
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Mapping
+
+from ..layout import Layout
+from ..planning.hierarchy import hierarchical_plan
+from ..planning.plan import PhasedPlan, plan
+from .base import Executor
+from .executor import DEFAULT_TIMEOUT, ReshardExecutor
+from .gather_broadcast import GatherBroadcastExecutor
+
+RESHARD, GATHER_BROADCAST, HIERARCHICAL = "reshard", "gather-broadcast", "hierarchical"
+METHODS = (RESHARD, GATHER_BROADCAST, HIERARCHICAL)
+
+
+def check_method(method: str) -> str:
+    if method not in METHODS:
+        raise ValueError(f"unknown refit method {method!r}; choose from {', '.join(METHODS)}")
+    return method
+
+
+def method_plan(method: str, source: Layout, destination: Layout, *, max_bucket_bytes: int | None = None,
+                domains: Mapping[int, int] | None = None) -> PhasedPlan:
+    """The plan ``method`` runs (``domains``, ``{rank: NVLink domain}``, is needed by ``hierarchical``)."""
+    if check_method(method) == HIERARCHICAL:
+        if domains is None:
+            raise ValueError("the hierarchical method needs domains ({rank: NVLink domain})")
+        return hierarchical_plan(source, destination, domains, max_bucket_bytes=max_bucket_bytes)
+    return plan(source, destination, max_bucket_bytes=max_bucket_bytes)
+
+
+def method_executor(method: str, plan: PhasedPlan, group=None, *, timeout: timedelta = DEFAULT_TIMEOUT) -> Executor:
+    """The executor of ``method`` for ``plan`` (collective: every rank of ``group`` builds one)."""
+    if check_method(method) == GATHER_BROADCAST:
+        return GatherBroadcastExecutor(plan, group, timeout=timeout)
+    return ReshardExecutor(plan, group, timeout=timeout)
+
+
+__all__ = ["GATHER_BROADCAST", "HIERARCHICAL", "METHODS", "RESHARD", "check_method", "method_executor",
+           "method_plan"]
