@@ -12,6 +12,14 @@ Example: a (4, 6) tensor ``w`` row-sharded over ranks 0 and 1::
     0     (0, 0), (2, 6)         "w"     (0, 0)
     1     (2, 0), (2, 6)         "w"     (0, 0)
 
+>>> import torch
+>>> from reshard.placements import Shard
+>>> lay = Layout.from_placements(TensorSpec("w", (4, 6), torch.float32), [0, 1], (2,), [Shard(0)])
+>>> [(p.rank, p.offsets, p.sizes, p.buffer, p.buffer_offsets) for r in lay.ranks for p in lay.pieces(r)]
+[(0, (0, 0), (2, 6), 'w', (0, 0)), (1, (2, 0), (2, 6), 'w', (0, 0))]
+>>> lay.buffers(1)
+{'w': ((2, 6), torch.float32)}
+
 Everything here is pure data: no process group, no device.
 """
 

@@ -72,7 +72,13 @@ def render(summary: dict, console, title: str) -> None:
 
 def plan_model(model: str, train: str, infer: str, max_bucket_bytes: int | None = None
                ) -> tuple[ModelLayouts, Plan, float]:
-    """Both layouts of ``model``, the plan between them, and the seconds planning took."""
+    """Both layouts of ``model``, the plan between them, and the seconds planning took.
+
+    >>> refit, p, _ = plan_model("qwen3-8b", "tp2,pp2", "tp4")
+    >>> s = summarize(refit, p)
+    >>> s["train_world"], s["infer_world"], s["wire_bytes"] == sum(s["by_category"].values())
+    (4, 4, True)
+    """
     refit = model_layouts(model, train, infer)
     t0 = time.perf_counter()
     p = plan(refit.source, refit.destination, max_bucket_bytes=max_bucket_bytes)

@@ -19,6 +19,16 @@ def run_local(plan: PhasedPlan, src_buffers: Mapping[int, Buffers], dst_buffers:
 
     ``src_buffers[rank]`` / ``dst_buffers[rank]`` are ``{buffer_name: Tensor}``;
     destination tensors are written in place.
+
+    >>> import torch, reshard as rs
+    >>> spec = rs.TensorSpec("w", (2, 4), torch.float32)
+    >>> src = rs.Layout.from_placements(spec, [0, 1], (2,), [rs.Shard(0)])
+    >>> dst = rs.Layout.from_placements(spec, [2, 3], (2,), [rs.Shard(1)])
+    >>> full = {"w": torch.arange(8.0).view(2, 4)}
+    >>> out = {r: dst.empty_buffers(r) for r in dst.ranks}
+    >>> run_local(rs.plan(src, dst), {r: src.materialize(r, full) for r in src.ranks}, out)
+    >>> out[3]["w"].tolist()
+    [[2.0, 3.0], [6.0, 7.0]]
     """
     for i, phase in enumerate(plan.phases):
         _run_phase(phase, src_buffers if i == 0 else dst_buffers, dst_buffers)

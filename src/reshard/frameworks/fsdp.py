@@ -40,7 +40,15 @@ from .tensor_parallel import dtensor_layout, tp_placement
 
 def fsdp_placements(spec: TensorSpec, *, dp_shard: int, dp_replicate: int = 1, tp: int = 1,
                     tp_plan: Mapping[str, str] | None = None) -> tuple[tuple[int, ...], list]:
-    """``(mesh_shape, placements)`` of one parameter, as FSDP2 (over TP) places it."""
+    """``(mesh_shape, placements)`` of one parameter, as FSDP2 (over TP) places it.
+
+    >>> import torch
+    >>> q = TensorSpec("model.layers.0.self_attn.q_proj.weight", (8, 4), torch.bfloat16)
+    >>> fsdp_placements(q, dp_shard=2, tp=2)      # TP splits rows, so FSDP strides over them
+    ((2, 2), [StridedShard(dim=0, split_factor=2), Shard(dim=0)])
+    >>> fsdp_placements(q, dp_shard=4, dp_replicate=2)
+    ((2, 4), [Replicate(), Shard(dim=0)])
+    """
     if tp == 1:
         fsdp = [Shard(0)]
         mesh = (dp_shard,)

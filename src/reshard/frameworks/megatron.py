@@ -135,7 +135,12 @@ class MegatronGrid:
 
 def megatron_grid(world: int, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None, cp: int = 1,
                   dp: int | None = None) -> MegatronGrid:
-    """The dense and expert grids of ``world`` ranks (``dp`` defaults to what ``world`` leaves)."""
+    """The dense and expert grids of ``world`` ranks (``dp`` defaults to what ``world`` leaves).
+
+    >>> g = megatron_grid(8, tp=2, pp=2, ep=2, etp=1)    # the table of the module doc
+    >>> g.dp, g.edp, g.dense[:, 2].tolist(), g.expert[:, 1].tolist()   # dense dp, expert ep
+    (2, 2, [0, 0, 1, 1, 0, 0, 1, 1], [0, 1, 0, 1, 0, 1, 0, 1])
+    """
     etp = tp if etp is None else etp
     check_sizes("megatron", tp=tp, pp=pp, ep=ep, etp=etp, cp=cp, **({} if dp is None else {"dp": dp}))
     model = tp * cp * pp
