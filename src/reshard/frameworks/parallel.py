@@ -31,6 +31,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass, fields
+from typing import ClassVar
 
 import torch
 
@@ -73,18 +74,43 @@ def _parse(text: str, frameworks: dict[str, tuple[str, ...]], flags: set[str]) -
     return framework, out
 
 
-def _format(framework: str, default: str, sizes: dict[str, int | bool]) -> str:
-    body = ",".join(k if v is True else f"{k}{v}" for k, v in sizes.items())
-    return body if framework == default else f"{framework}:{body}"
+class _Sides:
+    """What both sides' configurations share: parsing, formatting, describing. Subclasses set
+    ``KEYS`` (framework -> its sizes; the first framework is the default) and ``FLAGS``."""
+
+    KEYS: ClassVar[dict[str, tuple[str, ...]]]
+    FLAGS: ClassVar[set[str]] = set()
+    framework: str
+
+    @classmethod
+    def parse(cls, text: str):
+        framework, sizes = _parse(text, cls.KEYS, cls.FLAGS)
+        try:
+            return cls(framework, **sizes)
+        except LayoutError as e:
+            raise LayoutError(f"{text}: {e}") from None
+
+    def shown_sizes(self) -> dict[str, int | bool]:
+        raise NotImplementedError
+
+    def __str__(self) -> str:
+        body = ",".join(k if v is True else f"{k}{v}" for k, v in self.shown_sizes().items())
+        return body if self.framework == next(iter(self.KEYS)) else f"{self.framework}:{body}"
+
+    def describe(self) -> str:
+        """``"megatron tp1,ep16,pp4,dp2"``, ``"vllm tp8,dp16"``: the framework, then the sizes."""
+        return f"{self.framework} {str(self).rpartition(':')[2]}"
 
 
 @dataclass(frozen=True)
-class TrainParallel:
+class TrainParallel(_Sides):
     """The training side's parallel sizes (Megatron-Core or FSDP2), validated when built.
 
     Megatron: ``tp, cp, pp, ep, etp`` (expert TP, default ``tp`` without EP, 1 with it) and ``dp``
     (with ``ep > 1``: replicas of the expert grid). FSDP2: ``dp`` (shard), ``hsdp`` (replicas), ``tp``.
     """
+
+    KEYS = TRAIN_KEYS
 
     framework: str = "megatron"
     tp: int = 1
@@ -108,14 +134,6 @@ class TrainParallel:
             raise LayoutError(f"training megatron: {self.world} ranks do not split into tp{self.tp} x cp{self.cp} "
                               f"x pp{self.pp} groups")
 
-    @classmethod
-    def parse(cls, text: str) -> "TrainParallel":
-        framework, sizes = _parse(text, TRAIN_KEYS, set())
-        try:
-            return cls(framework, **sizes)
-        except LayoutError as e:
-            raise LayoutError(f"{text}: {e}") from None
-
     @property
     def expert_tp(self) -> int:
         return self.etp if self.etp is not None else (1 if self.ep > 1 else self.tp)
@@ -133,15 +151,10 @@ class TrainParallel:
         """Megatron's dense data-parallel size (``world / (tp x cp x pp)``)."""
         return self.world // (self.tp * self.cp * self.pp)
 
-    def __str__(self) -> str:
-        shown = {"tp", "etp"} if self.framework == "megatron" else {"dp"}  # etp: when given
-        return _format(self.framework, "megatron", {k: getattr(self, k) for k in TRAIN_KEYS[self.framework]
-                                                    if getattr(self, k) not in (None, 1)
-                                                    or (k in shown and getattr(self, k) is not None)})
-
-    def describe(self) -> str:
-        """``"megatron tp1,ep16,pp4,dp2"``: the framework, then the sizes."""
-        return f"{self.framework} {str(self).rpartition(':')[2]}"
+    def shown_sizes(self) -> dict[str, int | bool]:
+        always = {"tp", "etp"} if self.framework == "megatron" else {"dp"}  # etp: when given
+        return {k: getattr(self, k) for k in TRAIN_KEYS[self.framework]
+                if getattr(self, k) not in (None, 1) or (k in always and getattr(self, k) is not None)}
 
     def layout(self, arch: Arch | str, ranks=None, *, dtype: torch.dtype | None = None) -> Layout:
         """``arch``'s parameters as this framework lays them out over ``ranks`` (default ``0..world-1``)."""
@@ -159,9 +172,12 @@ class TrainParallel:
 
 
 @dataclass(frozen=True)
-class InferParallel:
+class InferParallel(_Sides):
     """The inference side's parallel sizes: ``dp`` engines (or replicas) of ``tp`` ranks, and for vLLM
     whether MoE layers are expert parallel (their EP size is then the MoE group, ``tp x dp``)."""
+
+    KEYS = INFER_KEYS
+    FLAGS = FLAGS
 
     framework: str = "vllm"
     tp: int = 1
@@ -175,29 +191,17 @@ class InferParallel:
         if self.ep and "ep" not in INFER_KEYS[self.framework]:
             raise LayoutError(f"inference {self.framework}: no expert parallelism")
 
-    @classmethod
-    def parse(cls, text: str) -> "InferParallel":
-        framework, sizes = _parse(text, INFER_KEYS, FLAGS)
-        try:
-            return cls(framework, **sizes)
-        except LayoutError as e:
-            raise LayoutError(f"{text}: {e}") from None
-
     @property
     def world(self) -> int:
         return self.tp * self.dp
 
-    def __str__(self) -> str:
+    def shown_sizes(self) -> dict[str, int | bool]:
         sizes: dict[str, int | bool] = {"tp": self.tp}
         if self.dp > 1:
             sizes["dp"] = self.dp
         if self.ep:
             sizes["ep"] = True
-        return _format(self.framework, "vllm", sizes)
-
-    def describe(self) -> str:
-        """``"vllm tp8,dp16"``: the framework, then the sizes."""
-        return f"{self.framework} {str(self).rpartition(':')[2]}"
+        return sizes
 
     def layout(self, arch: Arch | str, ranks=None, *, dtype: torch.dtype | None = None) -> Layout:
         """``arch``'s weights as the engines hold them on ``ranks`` (default ``0..world-1``), engine by engine."""
