@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 
 import torch
 
 from ..models.arch import DEMO_MODEL, PRESETS, Arch, get_arch
 
 DEFAULT_OUT = "reshard-out"
+SIZES = ("layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "vocab")  # model size options
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -128,8 +130,7 @@ def model_from_args(args) -> Arch:
         quantum = 64 * (args.tp or 2)
         vocab = max(quantum, round(cfg.vocab * args.scale / quantum) * quantum)
         cfg = cfg.with_overrides(layers=max(1, round(cfg.layers * args.scale)), vocab=vocab)
-    return cfg.with_overrides(layers=args.layers, hidden=args.hidden, intermediate=args.intermediate,
-                              heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, vocab=args.vocab)
+    return cfg.with_overrides(**{k: getattr(args, k) for k in SIZES})
 
 
 def demo_config(args):
@@ -151,20 +152,15 @@ def demo_config(args):
         sources, tp, dp = args.sources or 4, args.tp or 2, args.dp or 2
         model = model_from_args(args)
         return DemoConfig(model=DEMO_MODEL, train=f"fsdp:dp{sources}", infer=f"dtensor:tp{tp},dp{dp}",
-                          arch_overrides=tuple((f, getattr(model, f)) for f in ("layers", "hidden", "intermediate",
-                                                                               "heads", "kv_heads", "head_dim",
-                                                                               "vocab", "dtype")),
-                          **common)
+                          arch_overrides=tuple((f, getattr(model, f)) for f in SIZES + ("dtype",)), **common)
     clash = [f"--{o}" for o in ("sources", "tp", "dp", "scale") if getattr(args, o) is not None]
     if clash:
         raise SystemExit(f"reshard demo: {', '.join(clash)} cannot be used with --model; set the ranks with "
                          f"--train and --infer")
-    overrides = tuple((k, getattr(args, k)) for k in ("layers", "hidden", "intermediate", "heads", "kv_heads",
-                                                      "head_dim", "vocab") if getattr(args, k) is not None)
+    overrides = tuple((k, getattr(args, k)) for k in SIZES if getattr(args, k) is not None)
     cfg = DemoConfig(model=args.model, tiny=args.tiny, arch_overrides=overrides + (("dtype", DTYPES[args.dtype]),),
                      **common)
-    return DemoConfig(model=args.model, train=args.train or default_train(cfg.arch), infer=args.infer or "tp2",
-                      tiny=args.tiny, arch_overrides=cfg.arch_overrides, **common)
+    return replace(cfg, train=args.train or default_train(cfg.arch), infer=args.infer or "tp2")
 
 
 def _demo(args) -> int:
