@@ -4,7 +4,7 @@ Run from the repository root (``make bench-cost`` does)::
 
     python benchmarks/bench_cost.py [--configs 4-4:4x1,8-4:2x2] [--repeat 3] [--layers 4]
 
-Section 1 (this process): bandwidth and per-box cost of ``reshard.local.pack`` and
+Section 1 (this process): bandwidth and per-box cost of ``reshard.execution.packing.pack`` and
 ``unpack`` as the executor calls them (2 MiB messages of strided tensor-parallel boxes
 through one reused staging buffer, as the executor's staging arena).
 
@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{b.kind} {'node' if b.kind == 'host' else 'GPU'} {b.where}" if b else "-",
                     f"{empty_round_model(topo, m, n) * 1e3:.2f}", f"{got['empty_round_s'] * 1e3:.2f}")
         console.print(f"  {label}: measured {', '.join(f'{s:.3f}' for s in got['seconds'])} s (verified)")
-    hows = ["reshard.local.pack + unpack of 2 MiB messages of 4 KiB-row boxes, one reused staging buffer, 1 thread",
+    hows = ["reshard.execution.packing.pack + unpack of 2 MiB messages of 4 KiB-row boxes, one reused staging buffer, 1 thread",
             "pack + unpack of 2048 one-element boxes", f"ranks 0 -> 1, 16 x {args.stream_mb:g} MiB back to back",
             "every process in a pair (0 -> 1, 2 -> 3, ...), all at once, total bytes (reused receive buffer)", "0 <-> 1, half a 1-byte ping-pong, median of 200",
             "ranks 0-3 each send 16 B to each other, 20 rounds back to back: (round - latency) x cores / 24 "

@@ -39,6 +39,10 @@ from ..layout import Layout
 from ..models.arch import Arch, get_arch, model_specs
 from ..placements import check_sizes
 from ..tensors import LayoutError, TensorSpec
+from .fsdp import fsdp_layout
+from .megatron import megatron_layout, suggest_pp_layers
+from .tensor_parallel import tensor_parallel_layout
+from .vllm import vllm_layout
 
 TRAIN_KEYS = {"megatron": ("tp", "cp", "ep", "etp", "pp", "dp"), "fsdp": ("dp", "tp", "hsdp")}
 INFER_KEYS = {"vllm": ("tp", "dp", "ep"), "dtensor": ("tp", "dp")}
@@ -158,9 +162,6 @@ class TrainParallel(_Sides):
 
     def layout(self, arch: Arch | str, ranks=None, *, dtype: torch.dtype | None = None) -> Layout:
         """``arch``'s parameters as this framework lays them out over ``ranks`` (default ``0..world-1``)."""
-        from .fsdp import fsdp_layout
-        from .megatron import megatron_layout, suggest_pp_layers
-
         arch = get_arch(arch)
         ranks = range(self.world) if ranks is None else ranks
         if self.framework == "fsdp":
@@ -205,9 +206,6 @@ class InferParallel(_Sides):
 
     def layout(self, arch: Arch | str, ranks=None, *, dtype: torch.dtype | None = None) -> Layout:
         """``arch``'s weights as the engines hold them on ``ranks`` (default ``0..world-1``), engine by engine."""
-        from .tensor_parallel import tensor_parallel_layout
-        from .vllm import vllm_layout
-
         arch = get_arch(arch)
         ranks = range(self.world) if ranks is None else ranks
         if self.framework == "dtensor":

@@ -226,7 +226,7 @@ def traffic_from_pairs(phases: Sequence[PairBytes], placement: Placement, topolo
 
 
 def traffic_from_plan(plan, placement: Placement, topology: Topology | None = None) -> Traffic:
-    """Exact link load of a plan as :class:`~reshard.execution.direct.ReshardExecutor` runs it: one phase,
+    """Exact link load of a plan as :class:`~reshard.execution.executor.ReshardExecutor` runs it: one phase,
     every rank's messages by round (``plan.for_rank``), copy counts, local copies with round 0's
     packing and fan-out copies with the last round's unpacking. Builds every rank's part: meant
     for plans a test or a benchmark runs."""
