@@ -15,7 +15,8 @@ ROOT = pathlib.Path(reshard.__file__).parent
 README = ROOT.parents[1] / "README.md"
 
 # Each layer and the layers it may import. The flow is frameworks -> layout -> planning ->
-# execution -> apps, with modeling beside planning; lower layers never import higher ones.
+# execution -> refit -> integrations -> apps, with modeling beside planning; lower layers never
+# import higher ones.
 BASE = {"tensors", "gc_pause"}
 LAYERS: dict[str, set[str]] = {
     "tensors": set(),
@@ -28,7 +29,10 @@ LAYERS: dict[str, set[str]] = {
     "planning": BASE | {"placements", "layout"},
     "modeling": BASE | {"placements", "layout", "planning"},
     "execution": BASE | {"placements", "layout", "planning"},
-    "apps": BASE | {"placements", "layout", "verify", "models", "frameworks", "planning", "modeling", "execution"},
+    "refit": BASE | {"placements", "layout", "models", "frameworks", "planning", "execution"},
+    "integrations": BASE | {"placements", "layout", "models", "frameworks", "planning", "execution", "refit"},
+    "apps": BASE | {"placements", "layout", "verify", "models", "frameworks", "planning", "modeling", "execution",
+                    "refit", "integrations"},
 }
 TOP = {"reshard", "reshard.__main__"}  # the package's public face may import anything
 

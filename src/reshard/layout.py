@@ -311,6 +311,29 @@ class Layout:
                 )
         return Layout(specs, tables, bufs)
 
+    def subset(self, ranks: Iterable[int]) -> "Layout":
+        """The pieces and buffers of ``ranks`` only (every tensor's spec kept): one rank's part, to
+        exchange with the others (``Layout.merge`` puts the parts back together).
+
+        >>> import torch
+        >>> from reshard.placements import Shard
+        >>> lay = Layout.from_placements(TensorSpec("w", (4, 6), torch.float32), [0, 1], (2,), [Shard(0)])
+        >>> part = lay.subset([1])
+        >>> part.ranks, [p.offsets for p in part.pieces(1)]
+        ([1], [(2, 0)])
+        >>> Layout.merge([lay.subset([0]), part]).pieces(0) == lay.pieces(0)
+        True
+        """
+        keep = np.array(sorted({int(r) for r in ranks}), np.int64)
+        tables = {}
+        for name, t in self.tables.items():
+            rows = np.flatnonzero(np.isin(t.ranks, keep))
+            b = t.one_buffer()
+            names = Repeated(b, len(rows)) if b is not None else tuple(t.buffers[r] for r in rows.tolist())
+            tables[name] = PieceTable(t.ranks[rows], t.offsets[rows], t.sizes[rows], names, t.buffer_offsets[rows])
+        return Layout(self.specs, tables, {r: self._buffers[r] for r in keep.tolist() if r in self._buffers},
+                      validate=False)
+
     # ------------------------------------------------------------------ queries
     @property
     def ranks(self) -> list[int]:

@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 
 from ..layout import Layout
 from ..tensors import LayoutError
+from .group import Group
 from .packing import Buffers
 
 
@@ -104,11 +104,9 @@ def check_buffers(layout: Layout, rank: int, buffers: Buffers, needed: set[str],
     return None
 
 
-def agree(group, fingerprint: str, error: str | None) -> None:
+def agree(group: Group, fingerprint: str, error: str | None) -> None:
     """Collective: raise the same LayoutError on every rank if any rank has an error or another plan."""
-    world = dist.get_world_size(group)
-    seen: list = [None] * world
-    dist.all_gather_object(seen, (dist.get_rank(), fingerprint, error), group=group)
+    seen = group.all_gather_object((group.rank, fingerprint, error))
     errors = [e for _, _, e in seen if e]
     if errors:
         raise LayoutError("; ".join(errors))

@@ -22,24 +22,27 @@ import torch.distributed as dist
 
 from ..planning.plan import PhasedPlan, RankPlan
 from .base import Executor, PhaseStats, RunStats, agree, check_buffers, device_of, synchronize
+from .group import DEFAULT_TIMEOUT, Group
 from .packing import Buffers, copy_within, pack, unpack
-
-DEFAULT_TIMEOUT = timedelta(minutes=5)
 
 
 class ReshardExecutor(Executor):
-    """Runs every phase of ``plan`` on this rank. Every rank of ``group`` constructs one and calls
-    :meth:`run`; ``timeout`` bounds every wait, so a peer that never shows up raises instead of hanging.
+    """Runs every phase of ``plan`` on this rank. Every rank of ``group`` (a :class:`Group`, a torch
+    process group, or ``None`` for the default one; the plan's ranks are the group's) constructs one
+    and calls :meth:`run`; ``timeout`` bounds every wait, so a peer that never shows up raises
+    instead of hanging.
     """
 
-    def __init__(self, plan: PhasedPlan, group=None, *, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
+    def __init__(self, plan: PhasedPlan, group: Group | dist.ProcessGroup | None = None, *,
+                 timeout: timedelta = DEFAULT_TIMEOUT) -> None:
         self.plan = plan
-        self.group = group
+        self.group = Group.of(group)
         self.timeout = timeout
-        self.rank = dist.get_rank()
+        self.rank = self.group.rank
         self.parts: list[RankPlan] = [p.for_rank(self.rank) for p in plan.phases]
 
-    def _validate(self, src: Buffers, dst: Buffers) -> str | None:
+    def check(self, src: Buffers, dst: Buffers) -> str | None:
+        """The first problem with this rank's buffers for the plan (missing, wrong shape or dtype), or None."""
         for i, (phase, part) in enumerate(zip(self.plan.phases, self.parts)):
             need_src = {c.src_buffer for m in part.sends for c in m.copies} | {c.src_buffer for c in part.local}
             need_dst = ({c.dst_buffer for m in part.recvs for c in m.copies} | {c.dst_buffer for c in part.local}
@@ -53,7 +56,7 @@ class ReshardExecutor(Executor):
 
     def run(self, src_buffers: Buffers, dst_buffers: Buffers) -> RunStats:
         """Move the bytes; ``dst_buffers`` are written in place. Collective over the group."""
-        agree(self.group, self.plan.fingerprint(), self._validate(src_buffers, dst_buffers))
+        agree(self.group, self.plan.fingerprint(), self.check(src_buffers, dst_buffers))
         device = device_of(src_buffers, dst_buffers)
         phases = [self._run_phase(name, part, src_buffers if i == 0 else dst_buffers, dst_buffers, device)
                   for i, (name, part) in enumerate(zip(self.plan.phase_names, self.parts))]
@@ -76,11 +79,8 @@ class ReshardExecutor(Executor):
             out = [pack(m, src_buffers, rank, v) for m, v in zip(sends, views)]
             inc = views[len(sends):]
             peak = max(peak, pos)
-            ops = [dist.P2POp(dist.isend, t, m.peer, self.group) for m, t in zip(sends, out)]
-            ops += [dist.P2POp(dist.irecv, t, m.peer, self.group) for m, t in zip(recvs, inc)]
-            if ops:
-                for work in dist.batch_isend_irecv(ops):
-                    work.wait(self.timeout)
+            self.group.exchange([(t, m.peer) for m, t in zip(sends, out)], [(t, m.peer) for m, t in zip(recvs, inc)],
+                                self.timeout)
             for m, t in zip(recvs, inc):
                 unpack(m, t, dst_buffers, rank)
             del out, inc, views
@@ -92,7 +92,7 @@ class ReshardExecutor(Executor):
                           part.num_rounds, len(part.sends))
 
 
-def execute(plan: PhasedPlan, src_buffers: Buffers, dst_buffers: Buffers, group=None, *,
+def execute(plan: PhasedPlan, src_buffers: Buffers, dst_buffers: Buffers, group: Group | dist.ProcessGroup | None = None, *,
             timeout: timedelta = DEFAULT_TIMEOUT) -> RunStats:
     """One-shot :class:`ReshardExecutor` run (collective over ``group``)."""
     return ReshardExecutor(plan, group, timeout=timeout).run(src_buffers, dst_buffers)

@@ -21,7 +21,7 @@ from ..planning.plan import Plan
 from ..planning.schedule import Copy, Message
 from ..tensors import box_slices, buffer_view
 from .base import Executor, PhaseStats, RunStats, agree, check_buffers, device_of, synchronize
-from .executor import DEFAULT_TIMEOUT
+from .group import DEFAULT_TIMEOUT, Group
 from .packing import Buffers, copy_within, pack, unpack
 
 
@@ -33,16 +33,16 @@ class GatherBroadcastExecutor(Executor):
     needed_bytes_only = False
     bounded_staging = False
 
-    def __init__(self, plan: Plan, group=None, *, root: int | None = None,
+    def __init__(self, plan: Plan, group: Group | dist.ProcessGroup | None = None, *, root: int | None = None,
                  timeout: timedelta = DEFAULT_TIMEOUT) -> None:
         self.plan = plan
-        self.group = group
+        self.group = Group.of(group)
         self.timeout = timeout
-        self.rank = dist.get_rank()
+        self.rank = self.group.rank
         self.root = default_root(plan) if root is None else root
         self.gather = gather_plan(plan, self.root)
         self.members = broadcast_members(plan, self.root)
-        self.bcast_group = dist.new_group(self.members)
+        self.bcast_group = self.group.split(self.members)
         part = self.gather.for_rank(self.rank)
         # per tensor: what this rank sends to root / root receives from each source / root copies locally
         self.sends: dict[str, list[Copy]] = defaultdict(list)
@@ -85,9 +85,7 @@ class GatherBroadcastExecutor(Executor):
                 msgs = [Message(peer, 0, cs) for peer, cs in sorted(self.recvs.get(name, {}).items())]
                 bufs = [torch.empty(m.nbytes, dtype=torch.uint8, device=device) for m in msgs]
                 staging += sum(m.nbytes for m in msgs)
-                works = [dist.irecv(b, m.peer, group=self.group) for m, b in zip(msgs, bufs)]
-                for w in works:
-                    w.wait(self.timeout)
+                self.group.exchange([], [(b, m.peer) for m, b in zip(msgs, bufs)], self.timeout)
                 for m, b in zip(msgs, bufs):
                     unpack(m, b, {name: full}, rank)
                     gather.recv_bytes += m.payload_bytes
@@ -95,13 +93,13 @@ class GatherBroadcastExecutor(Executor):
                 m = Message(root, 0, self.sends[name])
                 payload = pack(m, src_buffers, rank)
                 staging += m.nbytes
-                dist.isend(payload, root, group=self.group).wait(self.timeout)
+                self.group.exchange([(payload, root)], [], self.timeout)
                 gather.sent_bytes += m.payload_bytes
                 gather.messages += 1
             t1 = time.perf_counter()
             if full is not None:
                 flat = full.reshape(-1).view(torch.uint8)
-                dist.broadcast(flat, src=root, group=self.bcast_group)
+                self.bcast_group.broadcast(flat, self.members.index(root), self.timeout)
                 if rank == root:
                     bcast.sent_bytes += flat.numel() * (len(self.members) - 1)
                 else:

@@ -70,7 +70,7 @@ import torch
 
 from ..gc_pause import without_gc
 from ..layout import Layout, PieceTable
-from ..models.arch import Arch, get_arch, model_specs
+from ..models.arch import Arch, Segment, get_arch, model_specs
 from ..placements import Placement, Replicate, Shard, StridedShard, check_ranks, local_runs
 from ..tensors import LayoutError, TensorSpec
 
@@ -120,15 +120,6 @@ _ROWWISE = frozenset({"rowwise", "rowwise_rep", "rowwise_split_input", "embeddin
 _UNSHARDED = frozenset({"replicated_with_grad_allreduce", "moe_tp_experts", "all_reduce", "sequence_parallel",
                         "moe_identity_expert", "mla_kv_a_proj", "ep_router", "megamoe_router"})
 _EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-
-
-class Segment(NamedTuple):
-    """Where a logical tensor sits in a (virtual, full) parameter: element ``lead`` of the
-    leading dims, starting at ``offsets`` in the trailing dims (which it fills with its shape)."""
-
-    tensor: str
-    lead: tuple[int, ...]
-    offsets: tuple[int, ...]
 
 
 class HFParam(NamedTuple):

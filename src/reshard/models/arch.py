@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import asdict, dataclass, replace
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 import torch
 
@@ -174,7 +174,8 @@ def from_hf_config(config: Mapping) -> Arch:
     if family == "qwen3_moe":
         if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
             raise LayoutError("qwen3_moe configs with mlp_only_layers or decoder_sparse_step != 1 are not supported")
-        kw.update(experts=cfg["num_experts"], moe_intermediate=cfg["moe_intermediate_size"])
+        # transformers 5 writes num_local_experts; Qwen3-MoE checkpoints on the Hub say num_experts
+        kw.update(experts=cfg.get("num_experts") or cfg["num_local_experts"], moe_intermediate=cfg["moe_intermediate_size"])
     if family == "deepseek_v3":
         kw.update(
             experts=cfg["n_routed_experts"], moe_intermediate=cfg["moe_intermediate_size"],
@@ -305,30 +306,58 @@ def category(name: str) -> str:
 _FUSED_EXPERTS = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)")
 
 
-def from_module(module: torch.nn.Module, *, checkpoint_names: bool = True) -> list[TensorSpec]:
-    """The logical tensors of a live module: its parameters (full shapes of DTensors) and persistent
-    buffers (DeepSeek's ``e_score_correction_bias``), as ``state_dict`` names them.
+class Segment(NamedTuple):
+    """Where a logical tensor sits in a (full) parameter: element ``lead`` of the leading dims,
+    starting at ``offsets`` in the trailing dims, which it fills with its shape."""
+
+    tensor: str
+    lead: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+
+def named_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """A module's parameters and persistent buffers (DeepSeek's ``e_score_correction_bias``), by
+    ``state_dict`` name."""
+    persistent = set(module.state_dict().keys())
+    return list(module.named_parameters()) + [(n, b) for n, b in module.named_buffers() if n in persistent]
+
+
+def parameter_segments(name: str, shape: tuple[int, ...], dtype: torch.dtype, *, checkpoint_names: bool = True
+                       ) -> list[tuple[TensorSpec, Segment]]:
+    """The logical tensors a parameter of full ``shape`` holds, and where.
 
     transformers 5 fuses each layer's experts into ``mlp.experts.gate_up_proj [E, 2I, H]`` (gate
     rows, then up) and ``mlp.experts.down_proj [E, H, I]``; with ``checkpoint_names`` they are
     split back into the checkpoint's ``mlp.experts.{e}.gate_proj.weight [I, H]`` and so on, the
-    names :func:`model_specs` and every layout use.
+    names :func:`model_specs` and every layout use. Any other parameter holds itself.
+
+    >>> import torch
+    >>> [(s.name, s.shape, g.lead, g.offsets) for s, g in parameter_segments(
+    ...     "model.layers.0.mlp.experts.gate_up_proj", (2, 6, 4), torch.float32)][:2]
+    [('model.layers.0.mlp.experts.0.gate_proj.weight', (3, 4), (0,), (0, 0)), \
+('model.layers.0.mlp.experts.0.up_proj.weight', (3, 4), (0,), (3, 0))]
     """
-    persistent = set(module.state_dict().keys())
-    named = list(module.named_parameters()) + [(n, b) for n, b in module.named_buffers() if n in persistent]
+    shape = tuple(int(n) for n in shape)
+    m = _FUSED_EXPERTS.fullmatch(name) if checkpoint_names and len(shape) == 3 else None
+    if m is None:
+        return [(TensorSpec(name, shape, dtype), Segment(name, (), (0,) * len(shape)))]
+    base, kind = m.groups()
     out = []
-    for name, t in named:
-        shape, dtype = tuple(t.shape), t.dtype
-        m = _FUSED_EXPERTS.fullmatch(name) if checkpoint_names and len(shape) == 3 else None
-        if m is None:
-            out.append(TensorSpec(name, shape, dtype))
-            continue
-        base, kind = m.groups()
-        for e in range(shape[0]):
-            if kind == "gate_up_proj":
-                rows = (shape[1] // 2, shape[2])
-                out += [TensorSpec(f"{base}.{e}.gate_proj.weight", rows, dtype),
-                        TensorSpec(f"{base}.{e}.up_proj.weight", rows, dtype)]
-            else:
-                out.append(TensorSpec(f"{base}.{e}.down_proj.weight", shape[1:], dtype))
+    for e in range(shape[0]):
+        if kind == "gate_up_proj":
+            rows = shape[1] // 2
+            for j, proj in enumerate(("gate_proj", "up_proj")):
+                spec = TensorSpec(f"{base}.{e}.{proj}.weight", (rows, shape[2]), dtype)
+                out.append((spec, Segment(spec.name, (e,), (j * rows, 0))))
+        else:
+            spec = TensorSpec(f"{base}.{e}.down_proj.weight", shape[1:], dtype)
+            out.append((spec, Segment(spec.name, (e,), (0, 0))))
     return out
+
+
+def from_module(module: torch.nn.Module, *, checkpoint_names: bool = True) -> list[TensorSpec]:
+    """The logical tensors of a live module: its parameters (full shapes of DTensors) and persistent
+    buffers, by ``state_dict`` name, fused experts split back into checkpoint names (see
+    :func:`parameter_segments`)."""
+    return [spec for name, t in named_tensors(module)
+            for spec, _ in parameter_segments(name, tuple(t.shape), t.dtype, checkpoint_names=checkpoint_names)]
