@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
+import sys
 
 import torch
 import torch.distributed as dist
@@ -19,6 +21,9 @@ from reshard.execution.process_group import free_port
 
 
 def _entry(rank, fn, sizes, ports, store_addr, args):
+    # torch.multiprocessing stops the other processes with SIGTERM when one fails: make that an exception,
+    # so that their cleanup (closing vLLM engines, whose processes would outlive them) still runs
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(f"rank {rank}: stopped because another process failed"))
     torch.set_num_threads(1)
     starts = [sum(sizes[:j]) for j in range(len(sizes))]
     job = max(j for j, s in enumerate(starts) if s <= rank)

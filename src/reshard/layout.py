@@ -593,7 +593,10 @@ class Layout:
 
 
 def _concat_ragged(arrays: list[np.ndarray], ndim: int) -> np.ndarray:
-    width = max(a.shape[1] for a in arrays)
-    if any(a.shape[1] != width for a in arrays):
+    """Buffer offsets of one tensor's pieces from several layouts (an empty part has no buffer to
+    say how many dims it has: it takes the others')."""
+    full = [a for a in arrays if len(a)] or arrays[:1]
+    width = max(a.shape[1] for a in full)
+    if any(a.shape[1] != width for a in full):
         raise LayoutError("pieces of one tensor are placed in buffers with different numbers of dims")
-    return np.concatenate(arrays)
+    return np.concatenate([a.reshape(len(a), width) if not len(a) else a for a in arrays])

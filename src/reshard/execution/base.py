@@ -109,11 +109,24 @@ def agree(group: Group, fingerprint: str, error: str | None) -> None:
     seen = group.all_gather_object((group.rank, fingerprint, error))
     errors = [e for _, _, e in seen if e]
     if errors:
-        raise LayoutError("; ".join(errors))
+        raise LayoutError("; ".join(_grouped(errors)))
     prints = {fp for _, fp, _ in seen}
     if len(prints) > 1:
         detail = ", ".join(f"rank {r}: {fp}" for r, fp, _ in seen)
         raise LayoutError(f"ranks disagree on the plan fingerprint ({detail})")
+
+
+def _grouped(errors: list[str]) -> list[str]:
+    """``"rank 0: X"``, ``"rank 1: X"`` -> ``"ranks 0, 1: X"`` (one line per distinct problem)."""
+    by_text: dict[str, list[str]] = {}
+    for e in errors:
+        head, sep, text = e.partition(": ")
+        if sep and head.startswith("rank ") and head[5:].isdigit():
+            by_text.setdefault(text, []).append(head[5:])
+        else:
+            by_text.setdefault(e, [])
+    return [text if not ranks else f"rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)}: {text}"
+            for text, ranks in by_text.items()]
 
 
 def device_of(*groups: Mapping[str, torch.Tensor]) -> torch.device:

@@ -70,7 +70,8 @@ class RefitSession:
 
     def __init__(self, group: Group, *, source: Side | None = None, destination: Side | None = None,
                  method: str = AUTO, domains: Mapping[int, int] | None = None,
-                 max_bucket_bytes: int | None = DEFAULT_BUCKET_BYTES, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
+                 max_bucket_bytes: int | None = DEFAULT_BUCKET_BYTES, timeout: timedelta = DEFAULT_TIMEOUT,
+                 failure: str | None = None) -> None:
         self.group = group
         self.rank = group.rank
         self.source, self.destination = source, destination
@@ -81,11 +82,14 @@ class RefitSession:
             if side is not None and side.rank != self.rank:
                 raise RefitError(f"rank {self.rank}: its {what} side was built for rank {side.rank}")
         t0 = time.perf_counter()
-        parts = group.all_gather_object((self.rank, _part(source), _part(destination)), timeout)
+        parts = group.all_gather_object((self.rank, _part(source), _part(destination), failure), timeout)
+        failed = [f"rank {r}: {f}" for r, _, _, f in parts if f]
+        if failed:  # a rank could not build its side: every rank stops here, with its reason
+            raise RefitError("connect: " + "; ".join(failed))
         error = None
         try:
-            src = _merge([s for _, s, _ in parts], "source")
-            dst = _merge([d for _, _, d in parts], "destination")
+            src = _merge([s for _, s, _, _ in parts], "source")
+            dst = _merge([d for _, _, d, _ in parts], "destination")
             if domains is None and method == AUTO:
                 domains = detect_domains(group)
             self.method = (HIERARCHICAL if domains else RESHARD) if method == AUTO else method
@@ -114,7 +118,8 @@ class RefitSession:
         over the TCP store at ``store_addr`` (``"host:port"``, hosted by rank 0) with explicit ``rank``
         and ``world_size``; else torch's default group (``env://`` as torchrun sets it, or
         ``rs.init_process_group``). ``options``: ``method`` (``"auto"``, ``"reshard"``,
-        ``"hierarchical"``), ``domains`` (``{rank: NVLink domain}``), ``max_bucket_bytes``."""
+        ``"hierarchical"``), ``domains`` (``{rank: NVLink domain}``), ``max_bucket_bytes``, ``failure``
+        (why this rank has no side to offer: every rank raises it at once instead of waiting)."""
         if group is not None:
             g = Group.of(group)
         elif store_addr is not None:

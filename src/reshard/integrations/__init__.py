@@ -1,0 +1,6 @@
+"""Engine integrations: adapters that let an inference engine receive a refit, and a trainer drive it.
+
+    vllm/   the ``reshard`` weight-transfer backend for vLLM (worker side and trainer side)
+
+Only this package imports an engine, and only when its adapters are used.
+"""

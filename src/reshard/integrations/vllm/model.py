@@ -1,0 +1,168 @@
+"""A live vLLM model as the destination side of a refit: its own parameter objects, written in place.
+
+Each vLLM worker lays out its model with :func:`reshard.frameworks.vllm.vllm_layout` (the layout
+the tests check against vLLM's own weight loaders) and keeps its own rank's part. Buffers are the
+model's parameters by ``named_parameters`` name, in the form vLLM loads them (fused QKV, gate-up,
+FusedMoE ``w13``/``w2``, padded vocabulary). At connect every buffer is checked against the form
+vLLM recorded when it built the model (``record_metadata_for_reloading``), in both directions: a
+buffer vLLM does not have, or a parameter the layout does not fill, is an error naming the
+parameter and rank.
+
+Two ways in, chosen per vLLM layer (the module that owns the parameters):
+
+    way          layers                                   how the bytes land
+    in place     the parameters are what the forward      the executor writes into the live
+                 reads: norms (every platform); linear,   parameter storage
+                 embedding layers on GPUs, unquantized
+    reprocessed  the engine transforms weights after      the executor writes into staging in the
+                 loading: on CPUs linear and embedding    loaded form; then vLLM's layerwise reload
+                 layers (repacked for the CPU kernels)    (initialize_layerwise_reload /
+                 and FusedMoE (padded, prepacked); any    finalize_layerwise_reload) materializes the
+                 quantized layer; FusedMoE on GPUs        layer, copies the staged tensors in, runs the
+                 (kernel formats)                         layer's own post-load processing and copies
+                                                          the result into the live storage
+
+The reprocessed way still moves only this rank's boxes (no full tensor, no ``load_weights``): each
+parameter's loader is a plain copy of its staged tensor for the duration of the refit. The session
+reports the bytes of each way.
+
+vLLM 0.32 on CPUs does not redo the FusedMoE packing and padding on a weight update (the CPU
+experts' ``process_weights_after_loading`` runs only when the MoE kernel is first built; a reload
+serves checkpoint-layout weights at TP=1 and fails on the padded shapes at TP=2). We mark the
+layer's kernel as not built before reprocessing it, so vLLM redoes the whole step, packing and
+padding included.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...frameworks.vllm import vllm_layout
+from ...layout import Layout
+from ...models.arch import from_hf_config
+from ...refit.sides import Side, WriteReport
+from ...tensors import LayoutError
+
+
+def _copy_staged(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
+    """The weight loader of a reprocessed parameter during a refit: the staged tensor is already in
+    this rank's loaded form."""
+    param.data.copy_(loaded_weight)
+
+
+def _reprocessed(layer: torch.nn.Module, *, cpu: bool, quantized: bool) -> bool:
+    """Whether the engine transforms this layer's weights after loading (see module doc)."""
+    method = getattr(layer, "quant_method", None)
+    if method is None:
+        return False
+    return cpu or quantized or hasattr(method, "moe_kernel")
+
+
+class VLLMModelSide(Side):
+    """This worker's part of the inference side: live parameters, or staging that the engine's
+    post-load path puts in place (see module doc)."""
+
+    def __init__(self, rank: int, layout: Layout, model: torch.nn.Module, model_config, *, cpu: bool,
+                 quantized: bool) -> None:
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+        self.model, self.model_config = model, model_config
+        modules = dict(model.named_modules())
+        wanted = layout.buffers(rank)
+        live: dict[str, torch.Tensor] = {}
+        self.staged_specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        self.layers: dict[str, list[str]] = {}  # reprocessed layer -> its staged parameters
+        for name in sorted(wanted):
+            mod_name, _, pname = name.rpartition(".")
+            layer = modules.get(mod_name)
+            if layer is None or pname not in dict(layer.named_parameters(recurse=False)):
+                raise LayoutError(f"rank {rank}: vLLM's model has no parameter {name!r}, which the layout fills")
+        for mod_name, layer in modules.items():
+            own = dict(layer.named_parameters(recurse=False))
+            if not own:
+                continue
+            # the form vLLM loads into (biases are made after it records that form: they keep theirs)
+            loaded = {**own, **get_layerwise_info(layer).restore_metadata[0]}
+            reprocess = _reprocessed(layer, cpu=cpu, quantized=quantized)
+            for pname, meta in loaded.items():
+                name = f"{mod_name}.{pname}"
+                if name not in wanted:
+                    raise LayoutError(f"rank {rank}: vLLM parameter {name!r} {tuple(meta.shape)} is not filled by "
+                                      f"the layout (a model feature reshard does not lay out)")
+                shape, dtype = wanted[name]
+                if tuple(meta.shape) != shape or meta.dtype != dtype:
+                    raise LayoutError(f"rank {rank}: vLLM parameter {name!r} is {tuple(meta.shape)} {meta.dtype}, the "
+                                      f"layout says {shape} {dtype}")
+                if reprocess and pname in get_layerwise_info(layer).restore_metadata[0]:
+                    self.staged_specs[name] = (shape, dtype)
+                    self.layers.setdefault(mod_name, []).append(pname)
+                else:
+                    live[name] = own[pname].data
+        super().__init__(rank, layout, live)
+        self.device = next(iter(live.values()), next(iter(model.parameters()))).device
+        self._staging: dict[str, torch.Tensor] = {}
+
+    @classmethod
+    def from_worker(cls, model: torch.nn.Module, vllm_config, rank: int, first_rank: int) -> "VLLMModelSide":
+        """This worker's side: ``rank`` in the refit group, its engine's workers starting at ``first_rank``."""
+        from vllm.distributed import get_tensor_model_parallel_rank
+        from vllm.platforms import current_platform
+
+        parallel, model_config = vllm_config.parallel_config, vllm_config.model_config
+        if parallel.pipeline_parallel_size > 1 or parallel.data_parallel_size > 1:
+            raise LayoutError("the reshard backend lays out tensor-parallel engines (run several engines for data "
+                              "parallelism); this one has pipeline_parallel_size="
+                              f"{parallel.pipeline_parallel_size}, data_parallel_size={parallel.data_parallel_size}")
+        tp = parallel.tensor_parallel_size
+        if rank != first_rank + get_tensor_model_parallel_rank():
+            raise LayoutError(f"rank {rank}: expected TP rank {rank - first_rank} of the engine, vLLM says "
+                              f"{get_tensor_model_parallel_rank()}")
+        arch = from_hf_config(model_config.hf_config.to_dict()).with_overrides(dtype=model_config.dtype)
+        layout = vllm_layout(arch, range(first_rank, first_rank + tp), tp, 1, dtype=model_config.dtype,
+                             expert_parallel=bool(parallel.enable_expert_parallel)).subset([rank])
+        quantized = getattr(model_config, "quantization", None) is not None
+        return cls(rank, layout, model, model_config, cpu=current_platform.is_cpu(), quantized=quantized)
+
+    # ------------------------------------------------------------------ one refit
+    def begin_write(self) -> dict[str, torch.Tensor]:
+        self._staging = {n: torch.empty(shape, dtype=dtype, device=self.device)
+                         for n, (shape, dtype) in self.staged_specs.items()}
+        return {**self.tensors, **self._staging}
+
+    def abort_write(self) -> None:
+        self._staging = {}
+
+    def end_write(self) -> WriteReport:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+        staged = sum(t.numel() * t.element_size() for t in self._staging.values())
+        modules = dict(self.model.named_modules())
+        for mod_name, pnames in self.layers.items():
+            layer = modules[mod_name]
+            loaded = get_layerwise_info(layer).restore_metadata[0]
+            saved = {p: loaded[p].__dict__.get("weight_loader") for p in pnames}
+            for p in pnames:
+                loaded[p].weight_loader = _copy_staged
+            method = layer.quant_method
+            if self.device.type == "cpu" and getattr(method, "moe_kernel", None) is not None:
+                method.moe_kernel = None  # vLLM 0.32 CPU: redo MoE packing and padding (see module doc)
+            try:
+                initialize_layerwise_reload(layer)
+                for p in pnames:
+                    param = getattr(layer, p)
+                    param.weight_loader(param, self._staging.pop(f"{mod_name}.{p}"))
+                finalize_layerwise_reload(layer, self.model_config)
+            finally:
+                for p, old in saved.items():
+                    if old is None:
+                        loaded[p].__dict__.pop("weight_loader", None)
+                    else:
+                        loaded[p].weight_loader = old
+        self._staging = {}
+        in_place = self.layout_bytes(self.tensors)
+        return WriteReport(in_place_bytes=in_place, reprocessed_bytes=self.layout_bytes(self.staged_specs),
+                           staging_bytes=staged)
+
+
+__all__ = ["VLLMModelSide"]
