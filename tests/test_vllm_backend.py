@@ -8,8 +8,8 @@ weight-sync client. After real optimizer steps and one refit per step:
 * every tensor each engine computes with (parameters and the weights vLLM's CPU backend packed)
   is bit-equal to a fresh engine loaded from a checkpoint saved from the trainer's weights, and
   greedy generations are equal;
-* ``get_weight_version()`` is the version pushed; the plan is made once and replayed; memory does
-  not grow from refit to refit;
+* ``get_weight_version()`` is the version pushed; over five refits the plan is made once and
+  replayed and memory does not grow;
 * a trainer whose model does not match (another config, a missing tensor) fails at connect with an
   error naming the tensor, and the engine keeps serving its old weights at its old version.
 
@@ -74,18 +74,19 @@ def _refits(job_rank, model, opt, engines, ckpt, kind, engine_tps, out_dir):
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
     from reshard.integrations.vllm import EngineGroup, ReshardSource, ReshardTrainerInitInfo
-    from reshard.refit import RefitError
+    from reshard.models import from_module
+    from reshard.refit import RefitError, Side
     from vllm_helpers import refit_stats
 
     trainers, workers = 2, sum(engine_tps)
-    ports, client = [0, 0], None
+    ports, client = [0, 0, 0], None
     if job_rank == 0:
         for tp in engine_tps:
             engines.append(_engine(ckpt, tp))
         client = engines[0] if len(engines) == 1 else EngineGroup(engines)
         before = [_generate(e) for e in engines]
         old_versions = [e.get_weight_version() for e in engines]
-        ports = [free_port(), free_port()]
+        ports = [free_port() for _ in range(3)]
     dist.broadcast_object_list(ports, src=0)
 
     def info(port):
@@ -95,16 +96,20 @@ def _refits(job_rank, model, opt, engines, ckpt, kind, engine_tps, out_dir):
 
     # sides that do not match fail at connect, on every rank; the engines keep their weights and version
     wrong = AutoModelForCausalLM.from_pretrained(f"{out_dir}/wrong", dtype=torch.float32)
-    with pytest.raises(RefitError, match=r"tensor 'model\.layers\.\d\.\S+': source shape \(\d+(, \d+)*\) != "
-                                         r"destination shape"):
-        WeightTransferTrainerFactory.trainer_init(info(ports[0]), client=client, source=ReshardSource(wrong))
-    if job_rank == 0:
-        assert [_generate(e) for e in engines] == before
-        assert [e.get_weight_version() for e in engines] == old_versions
+    without_norms = Side.from_module(model, job_rank, names=[s.name for s in from_module(model) if "norm" not in s.name])
+    for source, message in ((ReshardSource(wrong), r"tensor 'model\.layers\.\d\.\S+': source shape \(\d+(, \d+)*\) "
+                                                   r"!= destination shape"),
+                            (ReshardSource(without_norms), r"unknown tensor 'model\.\S*norm\.weight': destination rank "
+                                                           r"\d needs it but the source layout has no tensor")):
+        with pytest.raises(RefitError, match=message):
+            WeightTransferTrainerFactory.trainer_init(info(ports.pop()), client=client, source=source)
+        if job_rank == 0:
+            assert [_generate(e) for e in engines] == before
+            assert [e.get_weight_version() for e in engines] == old_versions
 
-    engine = WeightTransferTrainerFactory.trainer_init(info(ports[1]), client=client, source=ReshardSource(model))
+    engine = WeightTransferTrainerFactory.trainer_init(info(ports.pop()), client=client, source=ReshardSource(model))
     stats = []
-    for step in range(3):
+    for step in range(5):
         torch.manual_seed(100 + step)
         ids = torch.randint(0, 300, (2, 16))
         model(input_ids=ids, labels=ids).loss.backward()
@@ -153,7 +158,7 @@ def _compare_with_fresh_engine(engines, before, stats, full, kind, engine_tps, o
 @pytest.mark.parametrize("kind, engine_tps", [("dense", [2]), ("moe", [1, 1])], ids=["dense-tp2", "moe-2xtp1"])
 def test_refit_live_vllm_engines_from_fsdp2_trainer(tmp_path, kind, engine_tps):
     pytest.importorskip("vllm")
-    from vllm_helpers import save_checkpoint
+    from vllm_helpers import reap_engine_processes, save_checkpoint
 
     os.environ.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1", HF_HUB_OFFLINE="1",
                       VLLM_LOGGING_LEVEL="WARNING", VLLM_CPU_OMP_THREADS_BIND="0|1" if 2 in engine_tps else "0",
@@ -162,4 +167,5 @@ def test_refit_live_vllm_engines_from_fsdp2_trainer(tmp_path, kind, engine_tps):
     save_checkpoint(ckpt, kind, dtype=torch.float32)
     save_checkpoint(str(tmp_path / "wrong"), kind, dtype=torch.float32,
                     **({"moe_intermediate_size": 16} if kind == "moe" else {"intermediate_size": 96}))
-    launch(_trainer, [2], ckpt, kind, engine_tps, str(tmp_path))
+    with reap_engine_processes():
+        launch(_trainer, [2], ckpt, kind, engine_tps, str(tmp_path))

@@ -10,6 +10,8 @@ the closures of its linear layers.
 from __future__ import annotations
 
 import os
+import signal
+from contextlib import contextmanager
 
 import torch
 
@@ -56,6 +58,33 @@ def save_checkpoint(path: str, kind: str = "dense", *, seed: int = 0, state: dic
         assert not unexpected and not [m for m in missing if "rotary" not in m], (missing, unexpected)
     model.to(dtype).save_pretrained(path)
     save_tokenizer(path)
+
+
+@contextmanager
+def reap_engine_processes():
+    """Kill the vLLM processes (``VLLM::EngineCore``, ``VLLM::Worker...``) a test started and left
+    behind: when a test's process is killed while it holds an engine, the engine's processes
+    outlive it (they are not told their parent died)."""
+    def engine_pids() -> set[int]:
+        out = set()
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if f.read().startswith(b"VLLM::"):
+                        out.add(int(pid))
+            except OSError:
+                continue
+        return out
+
+    before = engine_pids()
+    try:
+        yield
+    finally:
+        for pid in engine_pids() - before:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
 
 
 def close_engine(llm) -> None:
