@@ -169,3 +169,98 @@ def test_refit_live_vllm_engines_from_fsdp2_trainer(tmp_path, kind, engine_tps):
                     **({"moe_intermediate_size": 16} if kind == "moe" else {"intermediate_size": 96}))
     with reap_engine_processes():
         launch(_trainer, [2], ckpt, kind, engine_tps, str(tmp_path))
+
+
+def _http_trainer(job, job_rank, rank, world, store_addr, ckpt, url, out_dir):
+    import requests
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+    from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, WeightTransferTrainerFactory
+
+    from reshard.integrations.vllm import ReshardSource, ReshardTrainerInitInfo
+    from vllm_helpers import PROMPTS
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-2)
+    port = [free_port() if job_rank == 0 else 0]
+    dist.broadcast_object_list(port, src=0)
+    info = ReshardTrainerInitInfo(rank=job_rank, master_address="127.0.0.1", master_port=port[0], num_trainer_ranks=2,
+                                  world_size=4, timeout_s=120)
+    engine = WeightTransferTrainerFactory.trainer_init(info, client=HTTPVLLMWeightSyncClient(url),
+                                                       source=ReshardSource(model))
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(7))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    engine.send_weights(weight_version="http-1")
+    full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in model.named_parameters()}
+    engine.shutdown()
+    if job_rank == 0:
+        assert requests.get(f"{url}/weight_info", timeout=30).json()["weight_version"] == "http-1"
+        checksums = requests.post(f"{url}/weight_checker", json={"action": "checksum"}, timeout=60).json()["checksums"]
+        texts = [requests.post(f"{url}/v1/completions", json={"model": ckpt, "prompt": p, "max_tokens": 12,
+                                                               "temperature": 0}, timeout=60).json()["choices"][0]["text"]
+                 for p in PROMPTS]
+        torch.save({"full": full, "checksums": checksums, "texts": texts}, f"{out_dir}/http.pt")
+
+
+def test_refit_through_vllm_http_server(tmp_path):
+    """``vllm serve --weight-transfer-config '{"backend": "reshard"}'`` driven by vLLM's own HTTP client: the
+    refitted server's weight checksums and greedy completions equal a fresh engine's on the same weights."""
+    pytest.importorskip("vllm")
+    import json
+    import subprocess
+    import time
+
+    import requests
+
+    from vllm_helpers import close_engine, reap_engine_processes, save_checkpoint
+
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_SERVER_DEV_MODE="1", HF_HUB_OFFLINE="1",
+               VLLM_LOGGING_LEVEL="WARNING", VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_ALLOW_INSECURE_SERIALIZATION="1",
+               PYTHONPATH=os.pathsep.join([HERE] + sys.path))
+    os.environ.update({k: env[k] for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ALLOW_INSECURE_SERIALIZATION",
+                                           "HF_HUB_OFFLINE", "VLLM_CPU_OMP_THREADS_BIND", "PYTHONPATH")})
+    ckpt = str(tmp_path / "ckpt")
+    save_checkpoint(ckpt, "dense", dtype=torch.float32)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with reap_engine_processes():
+        # `vllm serve` itself asks for the version of a package named vllm (this one is vllm-cpu): run its module
+        server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", ckpt,
+                                   "--port", str(port), "--tensor-parallel-size", "2",
+                                   "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "128",
+                                   "--no-enable-prefix-caching",
+                                   "--weight-transfer-config", json.dumps({"backend": "reshard"})],
+                                  env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 240
+            while True:
+                assert server.poll() is None, f"vllm serve exited: {server.stderr.read()[-3000:]}"
+                try:
+                    if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                        break
+                except requests.ConnectionError:
+                    pass
+                assert time.monotonic() < deadline, "vllm serve did not become healthy within 240 s"
+                time.sleep(1)
+            launch(_http_trainer, [2], ckpt, url, str(tmp_path))
+        finally:
+            server.terminate()
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+        got = torch.load(str(tmp_path / "http.pt"))
+        save_checkpoint(str(tmp_path / "fresh"), "dense", state=got["full"])
+        fresh = _engine(str(tmp_path / "fresh"), 2)
+        try:
+            want = {}
+            for per_worker in fresh.collective_rpc("compute_weight_checksums"):
+                want.update(per_worker)
+            texts = _generate(fresh)
+        finally:
+            close_engine(fresh)
+    assert got["checksums"] == want and got["texts"] == texts
