@@ -685,6 +685,27 @@ def _check_sharded_state_dict(m, lay, te_lay, rank, a):
     assert checked
 
 
+def _refit_from_megatron(m, a, rank, full, common):
+    """A refit session reads the live Megatron model (Side.from_megatron) and refits every logical
+    tensor into full replicas on rank 0, which is a source rank too (colocated): bit-exact."""
+    from reshard.refit import RefitSession, Side
+
+    source = Side.from_megatron(m, a, rank, pp_layers=common["pp_layers"], transformer_impl="local",
+                                moe_grouped_gemm=False)
+    specs = model_specs(a)
+    dst = rs.Layout.merge(rs.Layout.from_placements(s, [0], (1,), [rs.Replicate()], dtype=torch.float32)
+                          for s in specs)
+    destination = Side.from_layout(dst, rank, dst.empty_buffers(rank)) if rank == 0 else None
+    session = RefitSession.connect(source=source, destination=destination)
+    session.refit(version=1)
+    if destination is not None:
+        bad = [n for n, t in destination.tensors.items() if not torch.equal(t, full[n])]
+        assert not bad, (a.family, bad[:5])
+    with pytest.raises(rs.LayoutError, match=r"rank \d: Megatron parameter '.+' is \(.*\), the layout says"):
+        Side.from_megatron(m, a.with_overrides(hidden=a.hidden * 2), rank, pp_layers=common["pp_layers"],
+                           transformer_impl="local", moe_grouped_gemm=False)
+
+
 def _forward_check(m, lay, a, rank, tp, pp):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -708,13 +729,14 @@ def _forward_check(m, lay, a, rank, tp, pp):
         out = m(ids, pos, mask)
         if not ps.is_pipeline_last_stage():
             dist.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
-            return
+            return full
     ref = hf_reference(a, full, ids)
     per = vocab_size_with_padding(a.vocab, tp) // tp
     t = ps.get_tensor_model_parallel_rank()
     lo, hi = t * per, min((t + 1) * per, a.vocab)
     err = (out[..., : max(0, hi - lo)] - ref[..., lo:hi]).abs().max().item() if hi > lo else 0.0
     assert err < 1e-4, (a.family, rank, err)
+    return full
 
 
 MEGATRON_SCENARIOS = [
@@ -748,7 +770,8 @@ def _megatron_worker(rank, world):
             _check_names_and_shapes(m, lay, rank)
             _check_sharded_state_dict(m, lay, te_lay, rank, a)
             if forward:
-                _forward_check(m, lay, a, rank, tp, pp)
+                full = _forward_check(m, lay, a, rank, tp, pp)
+                _refit_from_megatron(m, a, rank, full, common)
         finally:
             ps.destroy_model_parallel()
 

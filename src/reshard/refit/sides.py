@@ -12,6 +12,7 @@ other side is sharded.
                                         FSDP2 over TP, Hugging Face ``tp_plan``) by their placements,
                                         plain tensors as whole replicas; transformers 5's fused experts
                                         split back into checkpoint names
+    Side.from_megatron(model, arch)     a Megatron-Core model: its parallel state and local parameters
     (vLLM engines: reshard.integrations.vllm)
 
 A destination side may stage some buffers and post-process them after the bytes arrived
@@ -93,6 +94,44 @@ class Side:
             tensors = {b: t for b, t in tensors.items() if b in used}
         layout = Layout.from_pieces(specs.values(), pieces, {rank: shapes})
         return cls(rank, layout, tensors)
+
+    @classmethod
+    def from_megatron(cls, model: torch.nn.Module, arch, rank: int | None = None, *,
+                      rank_of: Mapping[int, int] | None = None, pp_layers=None,
+                      transformer_impl: str = "transformer_engine", moe_grouped_gemm: bool = True) -> "Side":
+        """This rank's part of a Megatron-Core model (a ``GPTModel`` of ``arch``, one pipeline stage):
+        the parallel sizes read from ``megatron.core.parallel_state``, the layout from
+        :func:`~reshard.frameworks.megatron.megatron_layout` (``transformer_impl`` and
+        ``moe_grouped_gemm`` as the model was built), checked against the model's parameters (and
+        routers' ``expert_bias`` buffers): a missing or differently shaped one is an error naming it
+        and the rank. Megatron's ranks are the default group's; ``rank_of`` maps them to refit ranks."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        from ..frameworks.megatron import megatron_layout, with_aliases
+
+        world, me = dist.get_world_size(), dist.get_rank()
+        ranks = [int(rank_of[r]) if rank_of is not None else r for r in range(world)]
+        rank = ranks[me] if rank is None else rank
+        if rank != ranks[me]:
+            raise LayoutError(f"rank {rank}: Megatron rank {me} is refit rank {ranks[me]}")
+        params = dict(model.named_parameters())
+        params.update((n, b) for n, b in model.named_buffers() if n.endswith("router.expert_bias"))
+        dtype = next(iter(params.values())).dtype
+        layout = megatron_layout(
+            arch, ranks, tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size(),
+            ep=ps.get_expert_model_parallel_world_size(), etp=ps.get_expert_tensor_parallel_world_size(),
+            cp=ps.get_context_parallel_world_size(), dp=ps.get_data_parallel_world_size(), pp_layers=pp_layers,
+            dtype=dtype, transformer_impl=transformer_impl, moe_grouped_gemm=moe_grouped_gemm)
+        tensors = with_aliases(layout, rank, params)
+        for name, (shape, bdtype) in layout.buffers(rank).items():
+            t = tensors.get(name)
+            if t is None:
+                raise LayoutError(f"rank {rank}: the Megatron model has no parameter {name!r}, which the layout holds")
+            if tuple(t.shape) != shape:
+                raise LayoutError(f"rank {rank}: Megatron parameter {name!r} is {tuple(t.shape)}, the layout says "
+                                  f"{shape} (another model config or parallel setup?)")
+        return cls(rank, layout.subset([rank]), {n: tensors[n].detach() for n in layout.buffers(rank)})
 
     # ------------------------------------------------------------------ one refit
     def read(self) -> dict[str, torch.Tensor]:
