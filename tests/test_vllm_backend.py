@@ -11,7 +11,9 @@ weight-sync client. After real optimizer steps and one refit per step:
 * ``get_weight_version()`` is the version pushed; over five refits the plan is made once and
   replayed and memory does not grow;
 * a trainer whose model does not match (another config, a missing tensor) fails at connect with an
-  error naming the tensor, and the engine keeps serving its old weights at its old version.
+  error naming the tensor, and the engine keeps serving its old weights at its old version;
+* the baseline path (``gloo_broadcast``: full tensors from trainer rank 0 into ``load_weights``) into
+  the same engines leaves every byte as the refits did.
 
 Dense Qwen3 into one TP=2 engine; Qwen3-MoE into two TP=1 engines (``EngineGroup``).
 """
@@ -73,20 +75,21 @@ def _refits(job_rank, model, opt, engines, ckpt, kind, engine_tps, out_dir):
     from transformers import AutoModelForCausalLM
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
-    from reshard.integrations.vllm import EngineGroup, ReshardSource, ReshardTrainerInitInfo
+    from reshard.integrations.vllm import BroadcastTrainerInitInfo, EngineGroup, ReshardSource, ReshardTrainerInitInfo
+    from reshard.integrations.vllm.inspect import engine_digest
     from reshard.models import from_module
     from reshard.refit import RefitError, Side
     from vllm_helpers import refit_stats
 
     trainers, workers = 2, sum(engine_tps)
-    ports, client = [0, 0, 0], None
+    ports, client = [0] * 4, None
     if job_rank == 0:
         for tp in engine_tps:
             engines.append(_engine(ckpt, tp))
         client = engines[0] if len(engines) == 1 else EngineGroup(engines)
         before = [_generate(e) for e in engines]
         old_versions = [e.get_weight_version() for e in engines]
-        ports = [free_port() for _ in range(3)]
+        ports = [free_port() for _ in range(4)]
     dist.broadcast_object_list(ports, src=0)
 
     def info(port):
@@ -121,6 +124,18 @@ def _refits(job_rank, model, opt, engines, ckpt, kind, engine_tps, out_dir):
             assert [e.get_weight_version() for e in engines] == [f"step-{step}"] * len(engines)
             stats.append([e.collective_rpc(refit_stats) for e in engines])
     full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in model.named_parameters()}
+    # the baseline path into the same engines (gather, broadcast, load_weights) ends in the same state
+    if job_rank == 0:
+        digests = [e.collective_rpc(engine_digest) for e in engines]
+    baseline = WeightTransferTrainerFactory.trainer_init(
+        BroadcastTrainerInitInfo(rank=job_rank, master_address="127.0.0.1", master_port=ports.pop(),
+                                 engine_world_sizes=engine_tps, wire_dtype="bfloat16", timeout_s=120),
+        client=client, source=model)
+    assert baseline.send_weights(weight_version="broadcast")["recv_bytes"] > 0 or job_rank != 0
+    baseline.shutdown()
+    if job_rank == 0:
+        assert [e.collective_rpc(engine_digest) for e in engines] == digests
+        assert [e.get_weight_version() for e in engines] == ["broadcast"] * len(engines)
     engine.shutdown()
     if job_rank == 0:
         _compare_with_fresh_engine(engines, before, stats, full, kind, engine_tps, out_dir)

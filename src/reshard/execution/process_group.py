@@ -8,6 +8,7 @@ colocated ranks included.
 from __future__ import annotations
 
 import os
+import random
 import socket
 from datetime import timedelta
 from typing import Callable
@@ -53,7 +54,29 @@ def init_process_group(
     return dist.group.WORLD
 
 
+def _ephemeral_ports() -> range:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+        return range(low, high + 1)
+    except (OSError, ValueError):
+        return range(32768, 61000)  # Linux's default
+
+
 def free_port() -> int:
+    """A free TCP port on loopback, outside the kernel's ephemeral range: a port the kernel hands out
+    (gloo's own connections take them) could be taken between this call and the store binding it."""
+    ephemeral = _ephemeral_ports()
+    for _ in range(200):
+        port = random.randrange(10000, ephemeral.start) if ephemeral.start > 11000 else random.randrange(10000, 65536)
+        if port in ephemeral:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -5,6 +5,7 @@
     trainer.py   trainer side: ReshardTrainerInitInfo, ReshardSource, ReshardTrainerWeightTransferEngine,
                  EngineGroup (several engines as one client)
     model.py     a live vLLM model as the destination side (in place, or through vLLM's layerwise reload)
+    broadcast.py the baseline ``gloo_broadcast`` backend: vLLM's nccl broadcast path with gloo standing in
 
 Inference side, nothing to import::
 
@@ -26,7 +27,8 @@ Importing this package does not import vLLM; its names load on first use.
 
 _NAMES = {"ReshardTrainerInitInfo": "trainer", "ReshardSource": "trainer", "EngineGroup": "trainer",
           "ReshardTrainerWeightTransferEngine": "trainer", "ReshardWeightTransferEngine": "engine",
-          "ReshardWeightTransferInitInfo": "engine", "VLLMModelSide": "model", "register": "plugin"}
+          "ReshardWeightTransferInitInfo": "engine", "VLLMModelSide": "model", "register": "plugin",
+          "BroadcastTrainerInitInfo": "broadcast", "full_checkpoint_tensors": "broadcast"}
 
 
 def __getattr__(name: str):

@@ -50,6 +50,16 @@ def _copy_staged(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
     param.data.copy_(loaded_weight)
 
 
+def redo_cpu_moe_packing(module: torch.nn.Module) -> None:
+    """On CPUs, mark every FusedMoE kernel under ``module`` as not built, so that the next
+    ``process_weights_after_loading`` redoes the packing and padding vLLM 0.32 skips on a weight
+    update (see module doc)."""
+    for layer in module.modules():
+        method = getattr(layer, "quant_method", None)
+        if getattr(method, "moe_kernel", None) is not None and next(layer.parameters()).device.type == "cpu":
+            method.moe_kernel = None
+
+
 def _reprocessed(layer: torch.nn.Module, *, cpu: bool, quantized: bool) -> bool:
     """Whether the engine transforms this layer's weights after loading (see module doc)."""
     method = getattr(layer, "quant_method", None)
@@ -141,12 +151,12 @@ class VLLMModelSide(Side):
         for mod_name, pnames in self.layers.items():
             layer = modules[mod_name]
             loaded = get_layerwise_info(layer).restore_metadata[0]
-            saved = {p: loaded[p].__dict__.get("weight_loader") for p in pnames}
+            # vLLM's parameter classes keep their loader behind a property (in ``_weight_loader``):
+            # put each recorded parameter's attributes back exactly as they were
+            saved = {p: dict(loaded[p].__dict__) for p in pnames}
             for p in pnames:
                 loaded[p].weight_loader = _copy_staged
-            method = layer.quant_method
-            if self.device.type == "cpu" and getattr(method, "moe_kernel", None) is not None:
-                method.moe_kernel = None  # vLLM 0.32 CPU: redo MoE packing and padding (see module doc)
+            redo_cpu_moe_packing(layer)
             try:
                 initialize_layerwise_reload(layer)
                 for p in pnames:
@@ -154,15 +164,13 @@ class VLLMModelSide(Side):
                     param.weight_loader(param, self._staging.pop(f"{mod_name}.{p}"))
                 finalize_layerwise_reload(layer, self.model_config)
             finally:
-                for p, old in saved.items():
-                    if old is None:
-                        loaded[p].__dict__.pop("weight_loader", None)
-                    else:
-                        loaded[p].weight_loader = old
+                for p, attributes in saved.items():
+                    loaded[p].__dict__.clear()
+                    loaded[p].__dict__.update(attributes)
         self._staging = {}
         in_place = self.layout_bytes(self.tensors)
         return WriteReport(in_place_bytes=in_place, reprocessed_bytes=self.layout_bytes(self.staged_specs),
                            staging_bytes=staged)
 
 
-__all__ = ["VLLMModelSide"]
+__all__ = ["VLLMModelSide", "redo_cpu_moe_packing"]

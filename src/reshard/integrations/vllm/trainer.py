@@ -174,7 +174,7 @@ class EngineGroup:
 
 
 @contextmanager
-def _first_error(pending: Future | None):
+def with_pending_call(pending: Future | None):
     """Run the body, then wait for the control-plane call ``pending`` (the workers' side of the same
     collective); raise the body's error if it failed (the session's, which names the rank and
     tensor), else the call's."""
@@ -221,7 +221,7 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
                     raise ValueError(f"{len(init_info.engine_sizes)} engines need an EngineGroup of their clients")
                 worker_info["engine_index"] = 0
             pending = engine._pool.submit(engine.client.init_weight_transfer_engine, worker_info)
-        with _first_error(pending):
+        with with_pending_call(pending):
             engine.session = RefitSession.connect(
                 source=side, store_addr=f"{init_info.master_address}:{init_info.master_port}", rank=init_info.rank,
                 world_size=init_info.world_size, backend=init_info.comm_backend,
@@ -239,7 +239,7 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
         if self.is_sender:
             self.client.start_weight_update()
             pending = self._pool.submit(self.client.update_weights, {"version": version})
-        with _first_error(pending):
+        with with_pending_call(pending):
             self.last_stats = self.session.refit(version)
         if self.is_sender:
             self.client.finish_weight_update(weight_version=version)

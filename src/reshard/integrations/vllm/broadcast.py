@@ -1,0 +1,164 @@
+"""The baseline ``gloo_broadcast``: what vLLM's ``nccl`` backend does, with gloo standing in for NCCL.
+
+vLLM's ``nccl`` backend needs an accelerator; this runs the same steps on any machine, so that
+benchmarks and RL loops can put ``reshard`` beside the path RL stacks take today:
+
+    trainer                                           each vLLM worker (the reshard engine, method
+                                                      "broadcast")
+    every rank gathers each full tensor (FSDP2's      start_weight_update: initialize_layerwise_reload
+    full_tensor(), a collective), in checkpoint
+    names (fused experts split), cast to wire_dtype
+    rank 0 packs them into buckets of bucket_bytes    update_weights: receive every bucket (broadcast
+    (vLLM's default 1 GiB) and broadcasts each to     from trainer rank 0), unpack, model.load_weights
+    every worker (group: trainer rank 0 + workers)    finish_weight_update: finalize_layerwise_reload
+
+Every worker receives every byte of the model and loads it through ``load_weights``; nothing is
+written in place. Engines are configured as for ``reshard`` (``backend="reshard"``, or
+``"gloo_broadcast"``: the same worker engine); the trainer picks this path with
+:class:`BroadcastTrainerInitInfo`. On CPUs it carries the same FusedMoE workaround as ``reshard``
+(:func:`~reshard.integrations.vllm.model.redo_cpu_moe_packing`), so that MoE engines load correctly.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, ClassVar, Iterator, Self
+
+import torch
+from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
+
+from ...execution.group import Group
+from ...models.arch import named_tensors, parameter_segments
+from .trainer import EngineGroup, as_client, with_pending_call
+
+BACKEND = "gloo_broadcast"
+BROADCAST = "broadcast"  # the worker engine's method name for this path
+DEFAULT_BUCKET_BYTES = 1 << 30  # vLLM's packed broadcast buffer
+
+
+def buckets(sizes: list[int], bucket_bytes: int) -> list[list[int]]:
+    """Consecutive tensors grouped up to ``bucket_bytes`` (a bigger one alone), as both sides cut them.
+
+    >>> buckets([4, 4, 4, 10, 1], 8)
+    [[0, 1], [2], [3], [4]]
+    """
+    out: list[list[int]] = []
+    used = 0
+    for i, n in enumerate(sizes):
+        if out and used + n <= bucket_bytes:
+            out[-1].append(i)
+            used += n
+        else:
+            out.append([i])
+            used = n
+    return out
+
+
+def receive_broadcast(model: torch.nn.Module, group: Group, update, bucket_bytes: int) -> dict[str, int]:
+    """Worker side of one update: every bucket from trainer rank 0, unpacked into ``model.load_weights``
+    (inside a layerwise reload, where the model's parameters are on the meta device)."""
+    from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
+    dtypes = [getattr(torch, d) for d in update.dtype_names]
+    sizes = [int(torch.Size(s).numel()) * d.itemsize for s, d in zip(update.shapes, dtypes)]
+    with disable_mtp_completeness_check():
+        for bucket in buckets(sizes, bucket_bytes):
+            flat = torch.empty(sum(sizes[i] for i in bucket), dtype=torch.uint8, device=group.device)
+            group.broadcast(flat, 0)
+            weights, pos = [], 0
+            for i in bucket:
+                weights.append((update.names[i], flat[pos: pos + sizes[i]].view(dtypes[i]).view(update.shapes[i])))
+                pos += sizes[i]
+            model.load_weights(weights)
+    return {"recv_bytes": sum(sizes)}
+
+
+@dataclass(kw_only=True)
+class BroadcastTrainerInitInfo(TrainerInitInfo):
+    """Trainer-side init info of ``gloo_broadcast``; ``rank`` is this trainer rank (rank 0 broadcasts)."""
+
+    backend: ClassVar[str] = BACKEND
+
+    master_address: str
+    master_port: int
+    engine_world_sizes: list[int]  # workers of each engine, in the client's order
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    timeout_s: float = 300.0
+    comm_backend: str | None = None
+    wire_dtype: str | None = None  # cast before sending ("bfloat16": the engine's dtype); default the trainer's
+
+    def worker_init_info(self) -> dict[str, Any]:
+        sizes = list(self.engine_world_sizes)
+        return {"store_addr": f"{self.master_address}:{self.master_port}", "world_size": 1 + sum(sizes),
+                "rank_offsets": [1 + sum(sizes[:i]) for i in range(len(sizes))], "method": BROADCAST,
+                "bucket_bytes": self.bucket_bytes, "timeout_s": self.timeout_s, "comm_backend": self.comm_backend}
+
+
+def full_checkpoint_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(checkpoint name, full tensor)`` of every parameter and persistent buffer, gathering DTensors
+    (a collective: every rank of the module's group iterates, in the same order) and splitting
+    transformers 5's fused experts back into checkpoint tensors."""
+    for name, t in named_tensors(module):
+        full = (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
+        for spec, seg in parameter_segments(name, tuple(full.shape), full.dtype):
+            box = full[seg.lead] if seg.lead else full
+            yield spec.name, box[tuple(slice(o, o + n) for o, n in zip(seg.offsets, spec.shape))]
+
+
+class BroadcastTrainerWeightTransferEngine(TrainerWeightTransferEngine[BroadcastTrainerInitInfo]):
+    """Trainer side of ``gloo_broadcast`` (see module doc). ``source``: the trainer's module."""
+
+    init_info_cls = BroadcastTrainerInitInfo
+
+    def __init__(self, *, client, source: torch.nn.Module, init_info: BroadcastTrainerInitInfo) -> None:
+        super().__init__(client=client, source=None, is_sender=init_info.is_sender)
+        self.module, self.init_info = source, init_info
+        self.group: Group | None = None
+        self.dtype = getattr(torch, init_info.wire_dtype) if init_info.wire_dtype else None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gloo-broadcast")
+
+    @classmethod
+    def trainer_init(cls, init_info: BroadcastTrainerInitInfo, *, client, source=None) -> Self:
+        if not isinstance(source, torch.nn.Module):
+            raise TypeError("gloo_broadcast gathers full tensors from the trainer's module: pass source=module")
+        engine = cls(client=as_client(client), source=source, init_info=init_info)
+        if engine.is_sender:
+            info = init_info.worker_init_info()
+            if not isinstance(engine.client, EngineGroup):
+                info["engine_index"] = 0
+            pending = engine._pool.submit(engine.client.init_weight_transfer_engine, info)
+            with with_pending_call(pending):
+                engine.group = Group.connect(info["store_addr"], 0, info["world_size"],
+                                             backend=init_info.comm_backend,
+                                             timeout=timedelta(seconds=init_info.timeout_s), prefix=BROADCAST)
+        return engine
+
+    def send_weights(self, weight_version: str | None = None) -> dict[str, int]:
+        """Gather every full tensor (every trainer rank), broadcast them from rank 0; returns the bytes
+        each worker received."""
+        tensors = [(n, t if self.dtype is None else t.to(self.dtype)) for n, t in full_checkpoint_tensors(self.module)]
+        if not self.is_sender:
+            return {"recv_bytes": 0}
+        sizes = [t.numel() * t.element_size() for _, t in tensors]
+        update = {"names": [n for n, _ in tensors], "shapes": [list(t.shape) for _, t in tensors],
+                  "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in tensors]}
+        self.client.start_weight_update()
+        pending = self._pool.submit(self.client.update_weights, update)
+        with with_pending_call(pending):
+            for bucket in buckets(sizes, self.init_info.bucket_bytes):
+                flat = torch.cat([tensors[i][1].contiguous().reshape(-1).view(torch.uint8) for i in bucket])
+                self.group.broadcast(flat, 0)
+        self.client.finish_weight_update(weight_version=weight_version)
+        return {"recv_bytes": sum(sizes)}
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+        self._pool.shutdown()
+
+
+__all__ = ["BACKEND", "BROADCAST", "BroadcastTrainerInitInfo", "BroadcastTrainerWeightTransferEngine", "buckets",
+           "full_checkpoint_tensors", "receive_broadcast"]

@@ -1,0 +1,86 @@
+"""Looking inside a vLLM engine: what its workers compute with, and what the last refit did.
+
+The functions taking ``worker`` run inside each worker through ``llm.collective_rpc(fn)`` (with
+``VLLM_ALLOW_INSECURE_SERIALIZATION=1``), which returns one result per worker::
+
+    digests = llm.collective_rpc(engine_digest)     # one hex digest per worker
+    stats = llm.collective_rpc(refit_stats)          # the last refit's figures per worker
+
+:func:`engine_tensors` includes the weights vLLM's CPU backend packed into its linear layers'
+closures (``named_parameters`` shows those layers' weights as empty), so two engines that compute
+alike have equal tensors and digests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+
+def engine_tensors(worker) -> dict[str, torch.Tensor]:
+    """Every tensor the worker's model computes with: parameters, buffers, packed weights."""
+    model = worker.model_runner.get_model()
+    out = {n: p.detach().clone() for n, p in model.named_parameters()}
+    out.update((f"buffer:{n}", b.detach().clone()) for n, b in model.named_buffers())
+    for mod_name, module in model.named_modules():
+        fn = getattr(module, "cpu_linear", None)
+        for i, cell in enumerate(getattr(fn, "__closure__", None) or ()):
+            try:
+                value = cell.cell_contents
+            except ValueError:
+                continue
+            if isinstance(value, torch.Tensor):
+                out[f"packed:{mod_name}:{i}"] = value.detach().clone()
+    return out
+
+
+def engine_digest(worker) -> str:
+    """A digest of :func:`engine_tensors` (names, shapes, dtypes and every byte)."""
+    h = hashlib.sha256()
+    for name, t in sorted(engine_tensors(worker).items()):
+        h.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
+        h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def refit_stats(worker) -> dict | None:
+    """The worker's last refit: bytes in place and reprocessed, bytes received, the plan's identity,
+    resident memory."""
+    engine = worker.weight_transfer_engine
+    s = getattr(engine, "last_stats", None)
+    session = getattr(engine, "session", None)
+    if s is None or not hasattr(s, "in_place_bytes"):
+        return None
+    return {"in_place": s.in_place_bytes, "reprocessed": s.reprocessed_bytes, "recv": s.recv_bytes,
+            "seconds": s.seconds, "fingerprint": session.plan.fingerprint() if session else None,
+            "plan_id": id(session.plan) if session else None, "rss_mb": memory()["rss_mb"]}
+
+
+def memory(reset_peak: bool = False) -> dict[str, float]:
+    """This process's resident memory and its peak since the last reset (Linux), in MiB; with
+    ``reset_peak`` the peak starts again from now."""
+    if reset_peak:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    fields = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                fields[key] = int(value.split()[0]) / 1024
+    return {"rss_mb": fields["VmRSS"], "peak_mb": fields["VmHWM"]}
+
+
+def worker_memory(worker, reset_peak: bool = False) -> dict[str, float]:
+    """:func:`memory` of a worker (for ``collective_rpc``)."""
+    return memory(reset_peak)
+
+
+def close_engine(llm) -> None:
+    """Stop an offline engine's EngineCore and workers. vLLM 0.32's ``LLM`` has no ``shutdown``; a
+    process that made one (not the main process) otherwise cannot exit: it waits for them."""
+    llm.llm_engine.engine_core.shutdown()
+
+
+__all__ = ["close_engine", "engine_digest", "engine_tensors", "memory", "refit_stats", "worker_memory"]
