@@ -158,11 +158,12 @@ def test_mismatched_sides_fail_at_connect_on_every_rank(tmp_path, message):
 def _explicit(rank, world):
     w = rs.TensorSpec("w", (8, 6), torch.bfloat16)
     src = rs.Layout.from_placements(w, [0, 1], (2,), [rs.Shard(0)])
-    dst = rs.Layout.from_placements(w, [2], (1,), [rs.Replicate()])
+    dst = rs.Layout.from_placements(w, [2, 3], (2,), [rs.Replicate()])
     full = torch.arange(48, dtype=torch.bfloat16).reshape(8, 6)
     source = Side.from_layout(src, rank, src.materialize(rank, {"w": full})) if rank < 2 else None
-    destination = Side.from_layout(dst, rank, dst.empty_buffers(rank)) if rank == 2 else None
+    destination = Side.from_layout(dst, rank, dst.empty_buffers(rank)) if rank >= 2 else None
     session = RefitSession.connect(source=source, destination=destination, timeout=TIMEOUT)  # default group
+    assert session.method == "reshard" and len(session.plan.phases) == 1  # gloo: no NVLink domains found
     for version in ("a", "b"):
         if source is not None:
             source.tensors["w"].add_(1)
@@ -170,8 +171,23 @@ def _explicit(rank, world):
         assert session.version == version
     if destination is not None:
         assert torch.equal(destination.tensors["w"], full + 2) and stats.recv_bytes == 96
+    session.close()
+    # NVLink domains given: "auto" takes the hierarchical plan, whose network phase brings each
+    # byte into domain 1 once, then forwards it over the domain
+    hier = RefitSession.connect(source=source, destination=destination, group=dist.group.WORLD, timeout=TIMEOUT,
+                                domains={0: 0, 1: 0, 2: 1, 3: 1})
+    assert hier.method == "hierarchical" and len(hier.plan.phases) > 1
+    if source is not None:
+        source.tensors["w"].add_(1)
+    stats = hier.refit("c")
+    if destination is not None:
+        assert torch.equal(destination.tensors["w"], full + 3)
+    network = torch.tensor([stats.run.phases[0].recv_bytes if destination is not None else 0])
+    dist.all_reduce(network)
+    assert network.item() == 96  # into domain 1 once, not once per rank
+    hier.close()
     dist.barrier()
 
 
 def test_explicit_layouts_over_the_default_group():
-    rs.spawn(_explicit, 3)
+    rs.spawn(_explicit, 4)
