@@ -169,7 +169,8 @@ def trainer(rank: int, world: int, path: str, work: str, rounds: int, warmup: in
         reshard.shutdown()
         broadcast.shutdown()
         if rank == 0:
-            torch.save({"rows": rows, "digest": digest}, out["file"])
+            params = sum(p.numel() for p in model.parameters())  # DTensors: the full tensors' sizes
+            torch.save({"rows": rows, "digest": digest, "params": params}, out["file"])
     finally:
         if llm is not None:
             close_engine(llm)
@@ -229,19 +230,13 @@ def main(argv: list[str] | None = None) -> None:
                         vocab_size=args.vocab, intermediate_size=args.intermediate,
                         num_attention_heads=args.hidden // 64, num_key_value_heads=max(1, args.hidden // 128),
                         head_dim=64)
-        from transformers import AutoConfig
-
-        cfg = AutoConfig.from_pretrained(path)
-        params = (2 * cfg.vocab_size * cfg.hidden_size + cfg.num_hidden_layers * (
-            cfg.hidden_size * cfg.head_dim * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
-            + 3 * cfg.hidden_size * cfg.intermediate_size))
         ckpt_dir = os.path.join(work, "reload")
         os.makedirs(ckpt_dir)
         out = {"file": os.path.join(work, "rows.pt")}
         start = time.perf_counter()
         spawn(trainer, 2, path, ckpt_dir, args.rounds, args.warmup, args.tp, out)
         result = torch.load(out["file"])
-        report(console, result["rows"], params)
+        report(console, result["rows"], result["params"])
         console.print(f"total {time.perf_counter() - start:.0f} s")
 
 
