@@ -45,8 +45,10 @@ from .tensor_parallel import tensor_parallel_layout
 from .vllm import vllm_layout
 
 TRAIN_KEYS = {"megatron": ("tp", "cp", "ep", "etp", "pp", "dp"), "fsdp": ("dp", "tp", "hsdp")}
-INFER_KEYS = {"vllm": ("tp", "dp", "ep"), "dtensor": ("tp", "dp")}
-FLAGS = {"ep"}  # inference keys written without a size (vLLM's enable_expert_parallel)
+INFER_KEYS = {"vllm": ("tp", "dp", "ep", "independent"), "dtensor": ("tp", "dp")}
+# inference keys written without a size: vLLM's enable_expert_parallel, and "the dp engines are
+# separate vLLM instances" (else one deployment with data_parallel_size=dp)
+FLAGS = {"ep", "independent"}
 
 
 def _parse(text: str, frameworks: dict[str, tuple[str, ...]], flags: set[str]) -> tuple[str, dict[str, int | bool]]:
@@ -175,7 +177,15 @@ class TrainParallel(_Sides):
 @dataclass(frozen=True)
 class InferParallel(_Sides):
     """The inference side's parallel sizes: ``dp`` engines (or replicas) of ``tp`` ranks, and for vLLM
-    whether MoE layers are expert parallel (their EP size is then the MoE group, ``tp x dp``)."""
+    whether MoE layers are expert parallel (their EP size is then the MoE group, ``tp x dp``).
+
+    vLLM has two readings of ``dp``: one deployment with ``data_parallel_size=dp`` (the default;
+    its MoE layers spread over all ``tp x dp`` ranks), or ``independent``: ``dp`` separate engines
+    of ``tp`` ranks, each holding the whole model, as most RL stacks run them.
+
+    >>> InferParallel.parse("tp32,dp8").describe(), InferParallel.parse("tp32,dp8,independent").describe()
+    ('vllm tp32,dp8 (one deployment, data_parallel_size=8)', 'vllm tp32,dp8,independent (8 independent engines)')
+    """
 
     KEYS = INFER_KEYS
     FLAGS = FLAGS
@@ -184,6 +194,7 @@ class InferParallel(_Sides):
     tp: int = 1
     dp: int = 1
     ep: bool = False
+    independent: bool = False
 
     def __post_init__(self) -> None:
         if self.framework not in INFER_KEYS:
@@ -202,7 +213,16 @@ class InferParallel(_Sides):
             sizes["dp"] = self.dp
         if self.ep:
             sizes["ep"] = True
+        if self.independent:
+            sizes["independent"] = True
         return sizes
+
+    def describe(self) -> str:
+        text = super().describe()
+        if self.framework != "vllm" or self.dp == 1:
+            return text
+        return text + (f" ({self.dp} independent engines)" if self.independent
+                       else f" (one deployment, data_parallel_size={self.dp})")
 
     def layout(self, arch: Arch | str, ranks=None, *, dtype: torch.dtype | None = None) -> Layout:
         """``arch``'s weights as the engines hold them on ``ranks`` (default ``0..world-1``), engine by engine."""
@@ -210,7 +230,8 @@ class InferParallel(_Sides):
         ranks = range(self.world) if ranks is None else ranks
         if self.framework == "dtensor":
             return tensor_parallel_layout(arch, ranks, self.tp, self.dp, dtype=dtype)
-        return vllm_layout(arch, ranks, self.tp, self.dp, expert_parallel=self.ep, dtype=dtype)
+        return vllm_layout(arch, ranks, self.tp, self.dp, expert_parallel=self.ep, dtype=dtype,
+                           independent_engines=self.independent)
 
 
 @dataclass(frozen=True)
