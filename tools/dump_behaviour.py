@@ -33,7 +33,7 @@ import torch
 
 import reshard as rs
 from reshard.apps.cli import main as cli_main
-from reshard.apps.simulate import CASES, simulate_case
+from reshard.apps.simulate import CASES, simulate_case, to_json
 from reshard.frameworks.parallel import model_layouts
 from reshard.modeling.cost import gather_broadcast_time_of, model_time, traffic_from_plan
 from reshard.modeling.topology import Placement, Topology
@@ -206,9 +206,7 @@ def main(argv=None) -> int:
             log(f"scale {model}")
         for case in CASES:
             r = simulate_case(case)
-            out[f"simulate {case.key}"] = {k: repr(getattr(r, k)) for k in (
-                "hierarchical_s", "direct_s", "gather_broadcast_s", "lower_bound_s", "bound_term", "bottleneck",
-                "network_gb")}
+            out[f"simulate {case.key}"] = to_json(r)
             log(f"simulate {case.key}")
 
     with open(args.out, "w") as f:

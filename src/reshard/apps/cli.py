@@ -217,10 +217,14 @@ def _plan_parser(sub) -> argparse.ArgumentParser:
                         "replicas of the expert grid: world = etp x ep x pp x dp; else world = tp x cp x pp x dp), "
                         "or fsdp:dp64[,tp8][,hsdp2] for FSDP2; training ranks are 0..M-1")
     p.add_argument("--infer", required=True, metavar="SPEC",
-                   help="inference parallelism (vLLM): tp8,dp16 = one vLLM deployment of 16 x 8 ranks with "
-                        "data_parallel_size=16 (its MoE layers split over all 128 ranks); add ep for expert "
-                        "parallel; dtensor:tp2,dp2 for torch tensor parallel replicas; inference ranks are "
-                        "M..M+N-1")
+                   help="inference parallelism (vLLM): tp8,dp16 = ONE vLLM deployment of 16 x 8 ranks with "
+                        "data_parallel_size=16 (its MoE layers split over all 128 ranks); with "
+                        "--independent-engines (or ',independent' in SPEC) 16 separate TP8 engines, each "
+                        "holding the whole model; add ep for expert parallel; dtensor:tp2,dp2 for torch tensor "
+                        "parallel replicas; inference ranks are M..M+N-1")
+    p.add_argument("--independent-engines", action="store_true",
+                   help="read the vLLM spec's dp as that many independent engines (as most RL stacks run "
+                        "them), not one deployment with data_parallel_size=dp")
     p.add_argument("--max-bucket-mb", type=float, default=0,
                    help="staging cap per rank in MiB for the plan's rounds (default: none)")
     p.add_argument("--no-baseline", action="store_true", help="skip the gather-and-broadcast byte count")
@@ -230,52 +234,117 @@ def _plan_parser(sub) -> argparse.ArgumentParser:
                         "NVLink out/in (seconds at link bandwidth) with the bottleneck marked, for the refit "
                         "reshard runs on --topology (over NVLink domains: network once per domain, then NVLink); "
                         "prints their paths and the modeled time")
-    p.add_argument("--topology", metavar="NAME_OR_FILE", default="dgx-h100",
-                   help="machine for --plot: a preset (dgx-h100, gb200-nvl72, cpu) or a .json/.yaml file of "
-                        "Topology fields (see docs/cost_model.md); training ranks go on GPUs 0..M-1, inference "
-                        "ranks right after (default %(default)s)")
+    p.add_argument("--topology", metavar="NAME_OR_FILE", default=None,
+                   help="model the refit on this machine: a preset (dgx-h100, gb200-nvl72, cpu) or a .json/.yaml "
+                        "file of Topology fields (see docs/cost_model.md); training ranks on GPUs 0..M-1, "
+                        "inference ranks from the next NVLink domain; prints the modeled times (reshard "
+                        "hierarchical and direct, the hybrid, gather-and-broadcast fair and naive), the lower "
+                        "bound and its binding term (default for --plot: dgx-h100)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object on stdout instead of tables: model, train, infer, engines, "
+                        "tensors, wire_bytes (reshard's direct plan), max_send_bytes / max_recv_bytes (per "
+                        "rank), gather_broadcast_bytes ({gather, broadcast}), fingerprint; with --topology also "
+                        "topology, fits, does_not_fit, modeled_s ({hierarchical, direct, hybrid, "
+                        "gather_broadcast (best implementation), gather_broadcast_naive}, seconds, null where "
+                        "not modeled), lower_bound_s (domain ingress over all of a domain's NICs), "
+                        "lower_bound_term, lower_bound_job_s (over the job's NICs only), ours_over_bound, speedup (ours vs "
+                        "hybrid, gather_broadcast, gather_broadcast_naive), bottleneck, cross_domain_bytes; "
+                        "rounds use a 1 GiB staging cap unless --max-bucket-mb is set, broadcasts 1 GiB buckets")
     p.set_defaults(func=_plan)
     return p
 
 
 def _plan(args) -> int:
+    import json
+
     from rich.console import Console
 
     from ..tensors import LayoutError
     from .report import plan_model, render, summarize
 
-    console = Console()
+    console = Console(stderr=args.json)
+    infer = args.infer
+    if args.independent_engines and "independent" not in infer:
+        infer += ",independent"
+    topo = None
     try:
-        refit, p, plan_s = plan_model(args.model, args.train, args.infer,
-                                      int(args.max_bucket_mb * (1 << 20)) or None)
+        if args.topology is not None or args.plot is not None:
+            from ..modeling.topology import Topology
+
+            try:
+                topo = Topology.resolve(args.topology or "dgx-h100")
+            except ValueError as e:
+                raise ValueError(f"--topology: {e}") from None
+        refit, p, plan_s = plan_model(args.model, args.train, infer, int(args.max_bucket_mb * (1 << 20)) or None)
         summary = summarize(refit, p, baseline=not args.no_baseline)
     except (LayoutError, ValueError) as e:
         console.print(f"reshard plan: {e}", style="red", highlight=False)
         return 2
-    render(summary, console, f"{args.model}: train {args.train} -> infer {args.infer}")
-    console.print(f"layouts built in {refit.build_s:.2f} s, planned in {plan_s:.2f} s; "
-                  f"fingerprint {p.fingerprint()}")
-    if args.plot is not None:
+    out = {"model": args.model, "train": refit.train.describe(), "infer": refit.infer.describe(),
+           "engines": "independent" if refit.infer.independent else "one deployment",
+           "tensors": summary["tensors"], "wire_bytes": summary["wire_bytes"], "max_send_bytes": summary["max_send"],
+           "max_recv_bytes": summary["max_recv"], "gather_broadcast_bytes": summary.get("gather_broadcast"),
+           "fingerprint": p.fingerprint()}
+    if not args.json:
+        render(summary, console, f"{args.model}: train {args.train} -> infer {refit.infer.describe()}")
+        console.print(f"layouts built in {refit.build_s:.2f} s, planned in {plan_s:.2f} s; "
+                      f"fingerprint {p.fingerprint()}")
+    if topo is not None:
         from ..modeling.pipeline import RefitModel
-        from ..modeling.topology import Placement, Topology
+        from ..modeling.topology import Placement
+        from .simulate import METHODS, GiB, fit, model_figures
 
-        try:
-            topo = Topology.resolve(args.topology)
-        except ValueError as e:
-            console.print(f"reshard plan: --topology: {e}", style="red", highlight=False)
-            return 2
-        place = Placement.contiguous(topo, refit.train_world, refit.infer_world)
+        reason = fit(refit, topo)
+        out.update(topology=topo.name, fits=reason is None, does_not_fit=reason)
+        if reason is not None:  # the weights alone exceed a GPU: no time to model
+            out.update(modeled_s=dict.fromkeys(METHODS))
+            console.print(f"[red]{reason}[/]: not modeled", highlight=False)
+            if args.json:
+                print(json.dumps(out, indent=1))
+            return 0
+        place = Placement.contiguous(topo, refit.train_world, refit.infer_world, infer_start="domain")
         m = RefitModel.build(refit.source, refit.destination, topo, placement=place, direct=p,
                              max_bucket_bytes=p.max_bucket_bytes)
-        _, est = m.estimate(m.reshard)
-        stem = f"{args.model}-{args.train}-{args.infer}".replace(",", "_").replace(":", "_")
-        paths = m.write_plots(args.plot, stem, args.model)
-        b = est.bottleneck
-        console.print(f"modeled on {topo.name} ({place.describe()}): {est.seconds:.3f} s"
-                      + (f"; bottleneck {b.describe()}" if b else ""), highlight=False)
-        for path in paths:
-            console.print(f"wrote {path}", highlight=False)
+        if args.topology is not None:
+            figures = model_figures(m, rounds_cap=p.max_bucket_bytes or GiB)
+            out.update(figures)
+            if not args.json:
+                _print_figures(console, topo, place, figures)
+        if args.plot is not None:
+            stem = f"{args.model}-{args.train}-{infer}".replace(",", "_").replace(":", "_")
+            paths = m.write_plots(args.plot, stem, args.model)
+            _, est = m.estimate(m.reshard)
+            b = est.bottleneck
+            console.print(f"plots modeled on {topo.name} ({place.describe()}): {est.seconds:.3f} s"
+                          + (f"; bottleneck {b.describe()}" if b else ""), highlight=False)
+            for path in paths:
+                console.print(f"wrote {path}", highlight=False)
+    if args.json:
+        print(json.dumps(out, indent=1))
     return 0
+
+
+def _print_figures(console, topo, place, f: dict) -> None:
+    """The modeled times of ``reshard plan --topology``."""
+    from rich.table import Table
+
+    t = Table(title=f"modeled on {topo.name} ({place.describe()})")
+    for col in ("method", "modeled s", "x ours"):
+        t.add_column(col, justify="left" if col == "method" else "right")
+    ours = f["modeled_s"]["hierarchical"] or f["modeled_s"]["direct"]
+    labels = {"hierarchical": "reshard, hierarchical", "direct": "reshard, direct",
+              "hybrid": "hybrid (FFN + experts by reshard, rest broadcast)",
+              "gather_broadcast": "gather-and-broadcast (best implementation)",
+              "gather_broadcast_naive": "gather-and-broadcast, naive (one root)"}
+    for k, label in labels.items():
+        v = f["modeled_s"][k]
+        t.add_row(label, "-" if v is None else f"{v:.3f}", "-" if v is None else f"{v / ours:.2f}")
+    t.add_row("lower bound", f"{f['lower_bound_s']:.3f}", f"{f['lower_bound_s'] / ours:.2f}")
+    t.add_row("lower bound, the job's NICs only", f"{f['lower_bound_job_s']:.3f}",
+              f"{f['lower_bound_job_s'] / ours:.2f}")
+    console.print(t)
+    console.print(f"lower bound set by {f['lower_bound_term']}; ours / bound {f['ours_over_bound']:.2f}; "
+                  f"bottleneck {f['bottleneck']}", highlight=False)
 
 
 def _simulate_parser(sub) -> argparse.ArgumentParser:
@@ -286,9 +355,13 @@ def _simulate_parser(sub) -> argparse.ArgumentParser:
         description=(
             "For each case, build the real training (Megatron-Core) and inference (vLLM) layouts of the model, "
             "plan the refit directly and in phases over NVLink domains, and model the time of both on the "
-            "case's machine, beside gather-and-broadcast modeled over NCCL on the same links, the physical "
-            "lower bound, and the published figure. Pure computation: no process group, no GPU. The biggest "
-            "case (a 2.4 T-parameter MoE on 1024 + 1024 GPUs) takes about a minute here."),
+            "case's machine, beside the hybrid NeMo RL ships (FFN and experts by reshard, the rest broadcast), "
+            "gather-and-broadcast as its best implementations run it and its naive single-root form, the "
+            "physical lower bound, and the published figure. Rows follow the published engine arrangement "
+            "where the source states it (independent engines: each holds the whole model) and say where our "
+            "model differs from the published setup; a layout whose weights exceed a GPU's memory is reported "
+            "as not fitting. Pure computation: no process group, no GPU. The biggest case (a 2.4 T-parameter "
+            "MoE on 1024 + 1024 GPUs) takes about a minute here."),
     )
     p.add_argument("--cases", default=",".join(c.key for c in CASES),
                    help="comma-separated, from: " + ", ".join(c.key for c in CASES) + " (default: all)")
@@ -298,7 +371,8 @@ def _simulate_parser(sub) -> argparse.ArgumentParser:
                    help="chart path (default: OUT/simulate.png; '' for no chart)")
     p.add_argument("--bucket-mb", type=float, default=1024,
                    help="staging cap per GPU in MiB, which sets the rounds (default %(default)s)")
-    p.add_argument("--json", default=None, help="also write the results as JSON here")
+    p.add_argument("--json", default=None,
+                   help="also write the results as JSON here: per case the fields of `reshard plan --json`")
     p.set_defaults(func=_simulate)
     return p
 
@@ -306,7 +380,7 @@ def _simulate_parser(sub) -> argparse.ArgumentParser:
 def _simulate(args) -> int:
     from rich.console import Console
 
-    from .simulate import CASES, plot, render, simulate_case
+    from .simulate import CASES, plot, render, simulate_case, to_json
 
     console = Console(width=max(Console().width, 160))
     keys = [k.strip() for k in args.cases.split(",") if k.strip()]
@@ -327,9 +401,7 @@ def _simulate(args) -> int:
         import json
 
         with open(args.json, "w") as f:
-            json.dump([{"case": r.case.key, "hierarchical_s": r.hierarchical_s, "direct_s": r.direct_s,
-                        "gather_broadcast_s": r.gather_broadcast_s, "lower_bound_s": r.lower_bound_s,
-                        "published": r.case.published} for r in results], f, indent=1)
+            json.dump([to_json(r) for r in results], f, indent=1)
     return 0
 
 

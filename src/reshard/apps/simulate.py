@@ -7,10 +7,21 @@ twice, and the plans' bytes per link fed to the cost model (:mod:`reshard.modeli
                          (from a source, or relayed by another domain when the sources hold
                          too few copies), then forwards over NVLink (:mod:`reshard.planning.hierarchy`)
     ours, direct         one point-to-point phase, every destination from a source
-    gather-broadcast     per bucket of tensors: gather on one training rank, NCCL ring
-                         broadcast to every inference rank
-    lower bound          the slowest of: each domain's unique network ingress over its NICs,
-                         the sources' egress, one source's only copies, each GPU's need
+    hybrid               NeMo RL's split: FFN and expert weights by reshard, the rest by packed broadcast
+    gather-broadcast     as its best implementations run it: per pipeline stage gathers, NCCL
+                         broadcast at a node's aggregate NIC bandwidth, buckets overlapped; "naive":
+                         everything through one training GPU, as the figures before this model
+    lower bound          the slowest of: each domain's unique network ingress over all its NICs
+                         (``lower_bound_job_s``: over the NICs of the GPUs the job uses), the
+                         sources' egress, the bytes one source alone holds (allowed one NVLink hop
+                         before a NIC), each GPU's need
+
+Engines: a vLLM spec ``tp32,dp8`` is one deployment with ``data_parallel_size=8`` (its MoE
+layers spread over all 256 ranks); ``tp32,dp8,independent`` is 8 separate engines, each holding
+the whole model, as most RL stacks (NeMo RL among them) run them. Rows follow the published
+arrangement where the source states it, and say where our model of a row still differs from
+the published setup. A layout whose weights alone exceed a GPU's memory is reported as not
+fitting, without a time.
 
 Inference ranks start on a fresh NVLink domain (``infer_start="domain"``): training and
 inference pools on separate machines, as in the published setups. Pure: no process group.
@@ -24,11 +35,14 @@ from pathlib import Path
 
 import numpy as np
 
-from ..frameworks.parallel import model_layouts
+from ..frameworks.parallel import ModelLayouts, model_layouts
+from ..layout import Layout
 from ..modeling.pipeline import RefitModel
 from ..modeling.topology import Placement, Topology
 
 GiB = 1 << 30
+NEMO = "NeMo RL refit on H100"
+M2N = "NCCL M2N resharding on GB200"
 
 
 @dataclass(frozen=True)
@@ -43,45 +57,136 @@ class Case:
     published: str  # the figure as reported, for the table
     published_s: tuple[float, ...] = ()  # seconds to compare with (one figure or a range)
     source: str = ""
+    differs: str = ""  # where this row's model differs from the published setup
 
 
 CASES = (
     Case("dsv3-gb200", "deepseek-v3", "tp1,cp1,ep16,dp2,pp4", "tp8,dp16", "gb200-nvl72",
-         "NCCL M2N: hierarchical 1447 ms, direct 3838 ms", (1.447,), "NCCL M2N resharding on GB200"),
+         "NCCL M2N: hierarchical 1447 ms, direct 3838 ms", (1.447,), M2N,
+         "engine arrangement not stated in our source: modeled as one deployment (dp16)"),
+    Case("dsv3-gb200-engines", "deepseek-v3", "tp1,cp1,ep16,dp2,pp4", "tp8,dp16,independent", "gb200-nvl72",
+         "NCCL M2N: hierarchical 1447 ms, direct 3838 ms", (1.447,), M2N,
+         "engine arrangement not stated in our source: modeled as 16 independent engines"),
     Case("qwen235-gb200", "qwen3-235b-a22b", "tp2,cp2,ep16,pp4", "tp8,dp8", "gb200-nvl72",
-         "NCCL M2N: hierarchical 989 ms, direct 2175 ms", (0.989,), "NCCL M2N resharding on GB200"),
-    Case("dsv3-h100", "deepseek-v3", "pp16,ep16", "tp32,dp8", "dgx-h100",
-         "NeMo RL: 2.39-2.83 s", (2.39, 2.83), "NeMo RL refit on H100"),
-    Case("qwen30-h100", "qwen3-30b-a3b", "ep8,pp2", "tp8,dp2", "dgx-h100",
-         "NeMo RL: 0.74-1.00 s", (0.74, 1.00), "NeMo RL refit on H100"),
+         "NCCL M2N: hierarchical 989 ms, direct 2175 ms", (0.989,), M2N,
+         "engine arrangement not stated in our source: modeled as one deployment (dp8)"),
+    Case("qwen235-gb200-engines", "qwen3-235b-a22b", "tp2,cp2,ep16,pp4", "tp8,dp8,independent", "gb200-nvl72",
+         "NCCL M2N: hierarchical 989 ms, direct 2175 ms", (0.989,), M2N,
+         "engine arrangement not stated in our source: modeled as 8 independent engines"),
+    Case("dsv3-h100", "deepseek-v3", "pp16,ep16", "tp32,dp8,independent", "dgx-h100",
+         "NeMo RL: 2.39-2.83 s", (2.39, 2.83), NEMO),
+    Case("dsv3-h100-1dep", "deepseek-v3", "pp16,ep16", "tp32,dp8", "dgx-h100",
+         "NeMo RL: 2.39-2.83 s", (2.39, 2.83), NEMO,
+         "not the published arrangement: one deployment (dp8) instead of 8 engines"),
+    Case("qwen30-h100", "qwen3-30b-a3b", "ep8,pp2", "tp8,dp2,independent", "dgx-h100",
+         "NeMo RL: 0.74-1.00 s", (0.74, 1.00), NEMO),
+    Case("qwen30-h100-1dep", "qwen3-30b-a3b", "ep8,pp2", "tp8,dp2", "dgx-h100",
+         "NeMo RL: 0.74-1.00 s", (0.74, 1.00), NEMO,
+         "not the published arrangement: one deployment (dp2) instead of 2 engines"),
     Case("kimi-h100", "kimi-k2", "tp1,ep32,pp4,dp2", "tp8,dp16", "dgx-h100",
-         "1.3 s (point-to-point RDMA design)", (1.3,), "Kimi-K2 checkpoint engine"),
+         "1.3 s (point-to-point RDMA design)", (1.3,), "Kimi-K2 checkpoint engine",
+         "published: FSDP training -> FP8 inference; modeled: Megatron -> BF16, one deployment "
+         "(16 independent TP8 engines do not fit)"),
+    Case("kimi-h100-engines", "kimi-k2", "tp1,ep32,pp4,dp2", "tp8,dp16,independent", "dgx-h100",
+         "1.3 s (point-to-point RDMA design)", (1.3,), "Kimi-K2 checkpoint engine",
+         "published: FSDP training -> FP8 inference; modeled: Megatron -> BF16"),
     Case("moe2.4t-h100", "moe-2.4t", "tp1,ep64,pp16", "tp8,dp128,ep", "dgx-h100",
-         "4.3 s (refit only, 2.4 T BF16 MoE)", (4.3,), "reported 2.4 T-parameter MoE refit"),
+         "4.3 s (refit only, 2.4 T BF16 MoE)", (4.3,), "reported 2.4 T-parameter MoE refit",
+         "engine arrangement not stated in our source: one deployment (128 TP8 engines cannot hold 4.8 TB)"),
 )
 CLAIM = (2.7, 5.7)  # published speedup of reshard over gather-and-broadcast
+METHODS = ("hierarchical", "direct", "hybrid", "gather_broadcast", "gather_broadcast_naive")
+
+
+def rank_weight_bytes(layout: Layout) -> dict[int, int]:
+    """Bytes of weights each rank holds (its pieces; padding not counted).
+
+    >>> from reshard.frameworks.parallel import model_layouts
+    >>> lay = model_layouts("qwen3-8b", "tp2", "tp4")
+    >>> held = rank_weight_bytes(lay.destination)
+    >>> sorted(held) == lay.destination_ranks, sum(held.values()) == lay.arch.nbytes
+    (True, True)
+    """
+    total = np.zeros(max(layout.ranks, default=-1) + 1)
+    for name, t in layout.tables.items():
+        if len(t):
+            np.add.at(total, t.ranks, np.prod(t.sizes, axis=1) * layout.itemsizes(name))
+    return {r: int(total[r]) for r in layout.ranks}
+
+
+def fit(lay: ModelLayouts, topology: Topology) -> str | None:
+    """Why the weights alone do not fit a GPU of ``topology`` (None: they fit, or memory is unknown)."""
+    if topology.gpu_memory_bytes is None:
+        return None
+    for side, layout in (("training", lay.source), ("inference", lay.destination)):
+        held = rank_weight_bytes(layout)
+        rank = max(held, key=held.get)
+        if held[rank] > topology.gpu_memory_bytes:
+            return (f"does not fit: {side} rank {rank} holds {held[rank] / 1e9:.0f} GB of weights, "
+                    f"a {topology.name} GPU has {topology.gpu_memory_bytes / 1e9:.0f} GB")
+    return None
+
+
+def model_figures(m: RefitModel, *, rounds_cap: int | None = GiB, bucket_bytes: int | None = GiB) -> dict:
+    """Every modeled figure of one refit: seconds per method, the bound and its binding term, bytes.
+
+    ``rounds_cap``: the staging cap per GPU that sets reshard's rounds; ``bucket_bytes``: the
+    broadcast buckets of gather-and-broadcast and of the hybrid's broadcast part.
+    """
+    modeled: dict[str, float | None] = dict.fromkeys(METHODS)
+    bottleneck = "-"
+    if m.hierarchical is not None:
+        _, est = m.estimate(m.hierarchical, rounds_cap=rounds_cap, method="reshard hierarchical")
+        modeled["hierarchical"] = est.seconds
+        bottleneck = est.bottleneck.describe() if est.bottleneck else "-"
+    _, est_d = m.estimate(m.direct, rounds_cap=rounds_cap, method="reshard direct")
+    modeled["direct"] = est_d.seconds
+    if m.hierarchical is None:
+        bottleneck = est_d.bottleneck.describe() if est_d.bottleneck else "-"
+    modeled["hybrid"] = m.hybrid(bucket_bytes, rounds_cap=rounds_cap).seconds
+    modeled["gather_broadcast"] = m.gather_broadcast(bucket_bytes, variant="fair").seconds
+    modeled["gather_broadcast_naive"] = m.gather_broadcast(bucket_bytes, variant="naive").seconds
+    bound = m.lower_bound()
+    b = bound.binding
+    ours = modeled["hierarchical"] or modeled["direct"]
+    return {
+        "modeled_s": modeled,
+        "lower_bound_s": bound.seconds,
+        "lower_bound_term": f"{b.name} ({b.where})" if b else "-",
+        "lower_bound_job_s": m.lower_bound(ingress="job").seconds,  # ingress over the job's NICs only
+        "ours_over_bound": ours / bound.seconds if bound.seconds else None,
+        "speedup": {k: modeled[k] / ours for k in ("hybrid", "gather_broadcast", "gather_broadcast_naive")},
+        "bottleneck": bottleneck,
+        "wire_bytes": m.direct.wire_bytes,
+        "cross_domain_bytes": sum(m.hierarchical.cross_domain_bytes.values()) if m.hierarchical else None,
+    }
 
 
 @dataclass
 class Result:
     case: Case
-    hierarchical_s: float
-    direct_s: float
-    gather_broadcast_s: float
-    lower_bound_s: float
-    bound_term: str
-    bottleneck: str
-    network_gb: float  # bytes the hierarchical plan moves between domains
+    figures: dict | None  # model_figures(...); None when the setup does not fit
+    does_not_fit: str | None
     plan_s: float  # wall time to build layouts and plans here
     notes: list[str] = field(default_factory=list)
 
-    @property
-    def ratio_to_bound(self) -> float:
-        return self.hierarchical_s / self.lower_bound_s if self.lower_bound_s else float("nan")
+    def seconds(self, method: str) -> float | None:
+        return self.figures["modeled_s"][method] if self.figures else None
 
     @property
-    def speedup(self) -> float:
-        return self.gather_broadcast_s / self.hierarchical_s if self.hierarchical_s else float("nan")
+    def ours_s(self) -> float | None:
+        return self.seconds("hierarchical") or self.seconds("direct")
+
+    @property
+    def lower_bound_s(self) -> float | None:
+        return self.figures["lower_bound_s"] if self.figures else None
+
+    @property
+    def ratio_to_bound(self) -> float:
+        return self.figures["ours_over_bound"] if self.figures else float("nan")
+
+    def speedup(self, baseline: str = "gather_broadcast") -> float:
+        return self.figures["speedup"][baseline] if self.figures else float("nan")
 
 
 def simulate_case(case: Case, *, max_bucket_bytes: int = GiB, gather_bucket_bytes: int | None = GiB,
@@ -90,64 +195,91 @@ def simulate_case(case: Case, *, max_bucket_bytes: int = GiB, gather_bucket_byte
     t0 = time.perf_counter()
     topo = topology or Topology.preset(case.topology)
     lay = model_layouts(case.model, case.train, case.infer)
+    reason = fit(lay, topo)
+    if reason is not None:
+        return Result(case, None, reason, time.perf_counter() - t0)
     placement = Placement.contiguous(topo, lay.train_world, lay.infer_world, infer_start="domain")
     m = RefitModel.build(lay.source, lay.destination, topo, placement=placement)
     if m.hierarchical is None:
         raise ValueError(f"case {case.key}: topology {topo.name} has no NVLink domains of several GPUs")
     plan_s = time.perf_counter() - t0
-    _, est_h = m.estimate(m.hierarchical, rounds_cap=max_bucket_bytes, method="reshard hierarchical")
-    _, est_d = m.estimate(m.direct, rounds_cap=max_bucket_bytes, method="reshard direct")
-    est_g = m.gather_broadcast(gather_bucket_bytes)
-    bound = m.lower_bound()
-    b = bound.binding
-    return Result(case, est_h.seconds, est_d.seconds, est_g.seconds, bound.seconds,
-                  f"{b.name} ({b.where})" if b else "-",
-                  est_h.bottleneck.describe() if est_h.bottleneck else "-",
-                  sum(m.hierarchical.cross_domain_bytes.values()) / 1e9, plan_s)
+    return Result(case, model_figures(m, rounds_cap=max_bucket_bytes, bucket_bytes=gather_bucket_bytes), None,
+                  plan_s)
+
+
+def _s(v: float | None, fmt: str = ".3f") -> str:
+    return "-" if v is None else f"{v:{fmt}}"
 
 
 def render(results: list[Result], console, title: str = "modeled refit time") -> None:
     from rich.table import Table
 
     t = Table(title=title)
-    for col in ("case", "topology", "ours hier. s", "ours direct s", "gather-bcast s", "lower bound s",
-                "ours / bound", "speedup vs g-b", "published"):
-        t.add_column(col, justify="left" if col in ("case", "topology", "published") else "right")
+    cols = ("case", "inference engines", "ours hier. s", "ours direct s", "hybrid s", "gather-bcast s",
+            "naive g-b s", "lower bound s", "ours / bound", "speedup vs g-b / hybrid / naive", "published")
+    for col in cols:
+        t.add_column(col, justify="left" if col in ("case", "inference engines", "published") else "right")
     for r in results:
         c = r.case
-        t.add_row(f"{c.model} {c.train} -> {c.infer}", c.topology, f"{r.hierarchical_s:.3f}", f"{r.direct_s:.3f}",
-                  f"{r.gather_broadcast_s:.2f}", f"{r.lower_bound_s:.3f}", f"{r.ratio_to_bound:.2f}x",
-                  f"{r.speedup:.1f}x", c.published)
+        engines = "independent" if "independent" in c.infer else "one deployment"
+        name = f"{c.key}: {c.model} {c.train} -> {c.infer.replace(',independent', '')} on {c.topology}"
+        if r.figures is None:
+            t.add_row(name, engines, "[red]does not fit", *[""] * 7, c.published)
+            continue
+        t.add_row(name, engines, _s(r.seconds("hierarchical")), _s(r.seconds("direct")), _s(r.seconds("hybrid")),
+                  _s(r.seconds("gather_broadcast")), _s(r.seconds("gather_broadcast_naive"), ".2f"),
+                  _s(r.lower_bound_s), f"{r.ratio_to_bound:.2f}x",
+                  f"{r.speedup():.1f}x / {r.speedup('hybrid'):.1f}x / {r.speedup('gather_broadcast_naive'):.0f}x",
+                  c.published)
     console.print(t)
     for r in results:
-        console.print(f"[bold]{r.case.key}[/]: bound set by {r.bound_term}; our bottleneck: {r.bottleneck}; "
-                      f"{r.network_gb:,.0f} GB cross domains; planned in {r.plan_s:.1f} s")
+        c = r.case
+        lines = [f"differs from the published setup: {c.differs}"] if c.differs else []
+        if r.figures is None:
+            lines.append(r.does_not_fit)
+        else:
+            f = r.figures
+            lines.append(f"bound set by {f['lower_bound_term']}; our bottleneck: {f['bottleneck']}; "
+                         f"{f['cross_domain_bytes'] / 1e9:,.0f} GB cross domains; planned in {r.plan_s:.1f} s")
+        console.print(f"[bold]{c.key}[/]: " + "; ".join(lines), highlight=False)
+
+
+def to_json(r: Result) -> dict:
+    """A result as plain JSON (what ``reshard simulate --json`` writes per case)."""
+    c = r.case
+    out = {"case": c.key, "model": c.model, "train": c.train, "infer": c.infer, "topology": c.topology,
+           "published": c.published, "published_s": list(c.published_s), "differs": c.differs or None,
+           "fits": r.figures is not None, "does_not_fit": r.does_not_fit}
+    out.update(r.figures or {"modeled_s": dict.fromkeys(METHODS)})
+    return out
 
 
 def plot(results: list[Result], path: str | Path) -> Path:
-    """Grouped bars per case (ours hierarchical / direct, gather-and-broadcast, lower bound), with
-    the published figures as markers, on a log scale."""
+    """Grouped bars per case that fits (ours hierarchical, the hybrid, gather-and-broadcast fair and
+    naive, the lower bound), with the published figures as markers, on a log scale."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    results = [r for r in results if r.figures is not None]
     labels = [r.case.key for r in results]
-    series = [("ours, hierarchical", [r.hierarchical_s for r in results], "#2b7bba"),
-              ("ours, direct", [r.direct_s for r in results], "#8fbde0"),
-              ("gather-and-broadcast", [r.gather_broadcast_s for r in results], "#d9534f"),
+    series = [("ours, hierarchical", [r.seconds("hierarchical") for r in results], "#2b7bba"),
+              ("hybrid (NeMo RL)", [r.seconds("hybrid") for r in results], "#8fbde0"),
+              ("gather-and-broadcast", [r.seconds("gather_broadcast") for r in results], "#d9534f"),
+              ("gather-and-broadcast, naive", [r.seconds("gather_broadcast_naive") for r in results], "#f2b8b6"),
               ("lower bound", [r.lower_bound_s for r in results], "#555555")]
     x = np.arange(len(results))
-    width = 0.2
+    width = 0.16
     fig, ax = plt.subplots(figsize=(max(8, 1.8 * len(results)) + 2, 5))
     for i, (name, vals, color) in enumerate(series):
-        ax.bar(x + (i - 1.5) * width, vals, width, label=name, color=color)
+        ax.bar(x + (i - 2) * width, vals, width, label=name, color=color)
     for i, r in enumerate(results):
         for k, v in enumerate(r.case.published_s):
-            ax.scatter([x[i] - 1.5 * width], [v], marker="*", s=140, color="#f0ad4e", edgecolor="black", zorder=5,
+            ax.scatter([x[i] - 2 * width], [v], marker="*", s=140, color="#f0ad4e", edgecolor="black", zorder=5,
                        label="published" if i == 0 and k == 0 else None)
     ax.set_yscale("log")
-    ax.set_xticks(x, labels, rotation=15)
+    ax.set_xticks(x, labels, rotation=20, ha="right")
     ax.set_ylabel("seconds per refit (modeled)")
     ax.set_title("refit time: reshard vs gather-and-broadcast vs the lower bound")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
@@ -160,4 +292,5 @@ def plot(results: list[Result], path: str | Path) -> Path:
     return path
 
 
-__all__ = ["CASES", "Case", "Result", "plot", "render", "simulate_case"]
+__all__ = ["CASES", "Case", "METHODS", "Result", "fit", "model_figures", "plot", "rank_weight_bytes", "render",
+           "simulate_case", "to_json"]

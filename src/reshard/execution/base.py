@@ -83,7 +83,8 @@ class Executor(ABC):
 
     #: every destination rank receives only the bytes it holds and does not already have
     needed_bytes_only: ClassVar[bool] = True
-    #: staging per rank and round stays under the plan's ``max_bucket_bytes`` (plus one copy)
+    #: staging per rank and round stays under the plan's ``max_bucket_bytes`` (plus one copy); an
+    #: executor that overlaps rounds says how many it stages at once (reshard: two)
     bounded_staging: ClassVar[bool] = True
 
     @abstractmethod

@@ -86,27 +86,28 @@ class Group:
     def _global(self, rank: int) -> int:
         return dist.get_global_rank(self.pg, rank) if self.pg is not dist.group.WORLD else rank
 
-    def exchange(self, sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]],
-                 timeout: timedelta | None = None) -> None:
-        """Post every send ``(tensor, peer)`` and receive at once, then wait for all of them."""
+    def post(self, sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]]) -> list:
+        """Post every send ``(tensor, peer)`` and receive at once; the work handles to wait on."""
         if not sends and not recvs:
-            return
-        timeout = timeout or self.timeout
+            return []
         if self.store is None:
             ops = [dist.P2POp(dist.isend, t, self._global(p), self.pg) for t, p in sends]
             ops += [dist.P2POp(dist.irecv, t, self._global(p), self.pg) for t, p in recvs]
-            works = dist.batch_isend_irecv(ops)
-        elif self.backend == "gloo":
-            works = [self.pg.send([t], p, 0) for t, p in sends] + [self.pg.recv([t], p, 0) for t, p in recvs]
-        else:
-            self.pg._start_coalescing(self.device)
-            for t, p in sends:
-                self.pg.send([t], p, 0)
-            for t, p in recvs:
-                self.pg.recv([t], p, 0)
-            works = [self.pg._end_coalescing(self.device)]
-        for w in works:
-            w.wait(timeout)
+            return dist.batch_isend_irecv(ops)
+        if self.backend == "gloo":
+            return [self.pg.send([t], p, 0) for t, p in sends] + [self.pg.recv([t], p, 0) for t, p in recvs]
+        self.pg._start_coalescing(self.device)
+        for t, p in sends:
+            self.pg.send([t], p, 0)
+        for t, p in recvs:
+            self.pg.recv([t], p, 0)
+        return [self.pg._end_coalescing(self.device)]
+
+    def exchange(self, sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]],
+                 timeout: timedelta | None = None) -> None:
+        """Post every send ``(tensor, peer)`` and receive at once, then wait for all of them."""
+        for w in self.post(sends, recvs):
+            w.wait(timeout or self.timeout)
 
     def all_gather_object(self, obj, timeout: timedelta | None = None) -> list:
         """Every rank's ``obj`` (picklable), in rank order."""

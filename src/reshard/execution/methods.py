@@ -38,14 +38,28 @@ def check_method(method: str) -> str:
     return method
 
 
+def round_cap(max_bucket_bytes: int | None) -> int | None:
+    """The staging cap of one round when a rank's total staging must stay under ``max_bucket_bytes``:
+    :class:`ReshardExecutor` overlaps neighbouring rounds, so two rounds' buffers are alive at once.
+
+    >>> round_cap(64 << 20) == 32 << 20, round_cap(None)
+    (True, None)
+    """
+    return None if max_bucket_bytes is None else max(1, max_bucket_bytes // 2)
+
+
 def method_plan(method: str, source: Layout, destination: Layout, *, max_bucket_bytes: int | None = None,
                 domains: Mapping[int, int] | None = None) -> PhasedPlan:
-    """The plan ``method`` runs (``domains``, ``{rank: NVLink domain}``, is needed by ``hierarchical``)."""
+    """The plan ``method`` runs (``domains``, ``{rank: NVLink domain}``, is needed by ``hierarchical``).
+
+    ``max_bucket_bytes`` caps each rank's staging in all (plus the largest single copy of each of
+    the two rounds in flight): rounds are scheduled at :func:`round_cap` of it.
+    """
     if check_method(method) == HIERARCHICAL:
         if domains is None:
             raise ValueError("the hierarchical method needs domains ({rank: NVLink domain})")
-        return hierarchical_plan(source, destination, domains, max_bucket_bytes=max_bucket_bytes)
-    return plan(source, destination, max_bucket_bytes=max_bucket_bytes)
+        return hierarchical_plan(source, destination, domains, max_bucket_bytes=round_cap(max_bucket_bytes))
+    return plan(source, destination, max_bucket_bytes=round_cap(max_bucket_bytes))
 
 
 def method_executor(method: str, plan: PhasedPlan, group=None, *, timeout: timedelta = DEFAULT_TIMEOUT) -> Executor:
@@ -56,4 +70,4 @@ def method_executor(method: str, plan: PhasedPlan, group=None, *, timeout: timed
 
 
 __all__ = ["GATHER_BROADCAST", "HIERARCHICAL", "METHODS", "RESHARD", "check_method", "method_executor",
-           "method_plan"]
+           "method_plan", "round_cap"]

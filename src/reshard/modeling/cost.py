@@ -1,4 +1,4 @@
-"""Cost model: how long a refit takes on a topology, the gather-and-broadcast baseline, the lower bound.
+"""Cost model: how long a refit takes on a topology, the gather-and-broadcast baselines, the lower bound.
 
 Pure numpy: plain data in (bytes per rank pair, a :class:`~reshard.modeling.topology.Placement`,
 a :class:`~reshard.modeling.topology.Topology`), plain data out. Every formula and assumption
@@ -9,24 +9,38 @@ has a network phase and an NVLink fan-out phase), each a list of rounds. A pair 
 ranks in one NVLink domain moves its bytes over NVLink, any other pair over both
 GPUs' NICs; two ranks on one GPU copy locally.
 
-**One round** of a phase runs as the executor runs it: every rank packs what it sends,
-all messages fly at once, every rank unpacks what it got ::
+**Rounds** of a phase run as :class:`~reshard.execution.executor.ReshardExecutor` runs them
+(overlapped, its default): one round on the wire at a time, and while round j is, every rank
+packs round j+1 and unpacks round j-1 ::
 
-    t = launch + latency + max( max_g pack[g] + max_g max_k bytes[k,g] / bw[k] + max_g unpack[g],
-                                max_n host[n] )
-    pack[g]   = packed bytes[g] / copy_bw + messages out[g] * message_overhead + copies out[g] * copy_overhead
-    unpack[g] = the same for what g receives
-    host[n]   = sum_{g in n} (pack[g] + unpack[g]) / host_cores
-                + max(sum_{g in n} nic_out[g], sum_{g in n} nic_in[g]) / host_bw
+    t[j] = launch + latency + max( wire[j], pack[j+1] + unpack[j-1], host[j] )
+    wire[j]   = max_g max_k bytes[j,k,g] / bw[k]
+    pack[j]   = max_g (packed bytes / copy_bw + messages out * message_overhead + copies out * copy_overhead)
+    unpack[j] = the same for what the GPUs receive
+    host[j]   = max_n ( sum_{g in n} (pack[j,g] + unpack[j,g]) / host_cores
+                        + max(sum_{g in n} nic_out[j,g], sum_{g in n} nic_in[j,g]) / host_bw )
+    phase     = pack[0] + sum_j t[j] + unpack[last]
 
 with k over NIC out, NIC in, NVLink out, NVLink in (full duplex, all links at once),
 ``latency`` the network latency if the round sends any network message (else the
 NVLink latency), and the host term only for topologies whose ranks share CPU cores.
+``overlap=False`` models the sequential order instead: ``t[j] = launch + latency +
+max(pack[j] + wire[j] + unpack[j], host[j])``.
 
-**Phases** run one after another, or pipelined: round j of phase p starts when round
-j of phase p-1 and round j-1 of phase p are both done (``F[p,j] = max(F[p-1,j],
-F[p,j-1]) + t[p,j]``; the total is ``F[last, last]``). Pipelined phases are assumed
-to use different links (network, then NVLink).
+**Phases** run one after another, as the executor runs them; ``pipeline=True`` models a
+pipelined executor instead: round j of phase p starts when round j of phase p-1 and round
+j-1 of phase p are both done (``F[p,j] = max(F[p-1,j], F[p,j-1]) + t[p,j]``).
+
+**Gather-and-broadcast**, two ways: :func:`gather_broadcast_fair_time` as its best implementations
+run it (a gather into each pipeline stage's root and an NCCL ring broadcast from it, all stages
+at once, multi-rail: a domain's traffic spread over all its NICs; each bucket's broadcast
+overlapping the next one's gather), and :func:`gather_broadcast_time`, the naive form (one root
+gathers everything and broadcasts it through its one NIC, bucket after bucket).
+
+**The lower bound** (:func:`lower_bound`): the slowest of each domain's ingress over its NICs
+(every NIC of the domain, or with ``ingress="job"`` the job's only), the sources' egress, the
+bytes only one source holds (out of its domain; out of its GPU over its NIC or one NVLink hop),
+and each GPU's need over its NIC and NVLink.
 
 >>> from reshard.modeling.topology import Placement, Topology
 >>> topo = Topology.preset("dgx-h100").with_(net_latency_s=0, launch_latency_s=0, message_overhead_s=0)
@@ -335,23 +349,28 @@ def _link_seconds(nbytes: np.ndarray, topology: Topology) -> np.ndarray:
 
 
 def _round(ph: PhaseTraffic, j: int, topology: Topology, node_of_gpu: np.ndarray):
-    """Round j: (body seconds without latency, link s [4, G], pack s [G], unpack s [G], host s [nodes])."""
+    """Round j: (link s [4, G], pack s [G], unpack s [G], loopback s [nodes] of hosts whose ranks
+    share one network; empty elsewhere)."""
     link = _link_seconds(ph.bytes[j], topology)
     o, oc, cbw = topology.message_overhead_s, topology.copy_overhead_s, topology.copy_bytes_per_s
     msgs = ph.messages[j]
     pack = ph.pack_bytes[j] / cbw + (msgs[NIC_OUT] + msgs[NVL_OUT]) * o + ph.pack_copies[j] * oc
     unpack = ph.unpack_bytes[j] / cbw + (msgs[NIC_IN] + msgs[NVL_IN]) * o + ph.unpack_copies[j] * oc
-    body = (pack.max() + link.max() + unpack.max()) if len(pack) else 0.0
-    host = np.zeros(0)
-    if topology.host_cores is not None and len(pack):
+    loop = np.zeros(0)
+    if topology.host_cores is not None and topology.host_bytes_per_s is not None and len(pack):
         n_nodes = int(node_of_gpu.max()) + 1
-        host = np.bincount(node_of_gpu, weights=pack + unpack, minlength=n_nodes) / topology.host_cores
-        if topology.host_bytes_per_s is not None:
-            out = np.bincount(node_of_gpu, weights=ph.bytes[j, NIC_OUT], minlength=n_nodes)
-            inn = np.bincount(node_of_gpu, weights=ph.bytes[j, NIC_IN], minlength=n_nodes)
-            host = host + np.maximum(out, inn) / topology.host_bytes_per_s
-        body = max(body, float(host.max()))
-    return float(body), link, pack, unpack, host
+        out = np.bincount(node_of_gpu, weights=ph.bytes[j, NIC_OUT], minlength=n_nodes)
+        inn = np.bincount(node_of_gpu, weights=ph.bytes[j, NIC_IN], minlength=n_nodes)
+        loop = np.maximum(out, inn) / topology.host_bytes_per_s
+    return link, pack, unpack, loop
+
+
+def _host(work: np.ndarray, loop: np.ndarray, topology: Topology, node_of_gpu: np.ndarray) -> np.ndarray:
+    """Seconds per node of CPU ``work`` [G] on shared cores, plus its loopback; empty on GPUs."""
+    if topology.host_cores is None or not len(work):
+        return np.zeros(0)
+    host = np.bincount(node_of_gpu, weights=work, minlength=int(node_of_gpu.max()) + 1) / topology.host_cores
+    return host + loop if len(loop) else host
 
 
 def _latency(msgs: np.ndarray, topology: Topology) -> float:
@@ -362,22 +381,39 @@ def _latency(msgs: np.ndarray, topology: Topology) -> float:
     return 0.0
 
 
-def _phase_times(ph: PhaseTraffic, topology: Topology, placement: Placement):
-    """Per-round seconds, their latency part, and the phase's bottleneck (the resource with the
-    most seconds summed over the rounds)."""
+def _phase_times(ph: PhaseTraffic, topology: Topology, placement: Placement, overlap: bool = True):
+    """Per-round seconds (overlapped: the first also packs round 0, the last unpacks the last round),
+    their latency part, and the phase's bottleneck (the resource with the most seconds summed
+    over the rounds)."""
     node_of_gpu = placement.gpu_node()
     R, G = ph.rounds, placement.num_gpus
     times, lat = np.zeros(R), np.zeros(R)
     acc_link, acc_pack, acc_unpack = np.zeros((4, G)), np.zeros(G), np.zeros(G)
     acc_host = np.zeros(0)
-    for j in range(R):
-        body, link, pack, unpack, host = _round(ph, j, topology, node_of_gpu)
+    parts = [_round(ph, j, topology, node_of_gpu) for j in range(R)]
+    peak = lambda a: float(a.max()) if len(a) else 0.0  # noqa: E731
+    zero = np.zeros(G)
+    packs = [p for _, p, _, _ in parts] + [zero]
+    unpacks = [zero] + [u for _, _, u, _ in parts]  # unpacks[j + 1] is round j's
+    for j, (link, pk, up, loop) in enumerate(parts):
         lat[j] = _latency(ph.messages[j], topology)
+        if overlap:  # round j on the wire while round j+1 is packed and round j-1 unpacked
+            host = _host(packs[j + 1] + unpacks[j], loop, topology, node_of_gpu)
+            body = max(peak(link), peak(packs[j + 1]) + peak(unpacks[j]), peak(host))
+        else:
+            host = _host(pk + up, loop, topology, node_of_gpu)
+            body = max(peak(pk) + peak(link) + peak(up), peak(host))
         times[j] = lat[j] + body
         acc_link += link
-        acc_pack += pack
-        acc_unpack += unpack
+        acc_pack += pk
+        acc_unpack += up
         acc_host = host if not len(acc_host) else acc_host + host
+    if overlap and R:  # round 0's pack before anything is on the wire, the last round's unpack after
+        for j, work in ((0, packs[0]), (R - 1, unpacks[R])):
+            host = _host(work, np.zeros(0), topology, node_of_gpu)
+            times[j] += max(peak(work), peak(host))
+            if len(host):
+                acc_host = acc_host + host
     cands = []
     if G:
         k, g = np.unravel_index(int(np.argmax(acc_link)), acc_link.shape)
@@ -398,17 +434,19 @@ def _phase_times(ph: PhaseTraffic, topology: Topology, placement: Placement):
     return times, lat, bottleneck
 
 
-def model_time(traffic: Traffic, topology: Topology | None = None, *, pipeline: bool = True,
-               method: str = "reshard") -> Estimate:
+def model_time(traffic: Traffic, topology: Topology | None = None, *, pipeline: bool = False,
+               overlap: bool = True, method: str = "reshard") -> Estimate:
     """Modeled seconds of a refit's traffic (formulas in the module doc and docs/cost_model.md).
 
-    ``pipeline=True``: round j of phase p overlaps round j+1 of phase p-1; ``False``: phases in turn.
+    ``overlap``: rounds overlapped as the executor runs them by default (``False``: its sequential
+    order); ``pipeline=True``: round j of phase p overlaps round j+1 of phase p-1 (``False``,
+    as the executor runs them: phases in turn).
     """
     placement = traffic.placement
     topology = _check_topology(placement, topology)
     per_phase, phases = [], []
     for ph in traffic.phases:
-        times, lat, bott = _phase_times(ph, topology, placement)
+        times, lat, bott = _phase_times(ph, topology, placement, overlap)
         per_phase.append(times)
         phases.append(PhaseEstimate(ph.name, ph.rounds, float(times.sum()), float(lat.sum()), bott))
     pipelined = pipeline and len(per_phase) > 1
@@ -445,10 +483,11 @@ def _buckets(tensor_bytes: Sequence[int], bucket_bytes: int | None) -> list[list
 def broadcast_chain(root: int, receivers: Sequence[int], placement: Placement, channels: int) -> tuple[dict, float]:
     """NCCL's ring broadcast as point-to-point hops, for 1 byte: ``({(a, b): bytes}, hop latency s)``.
 
-    Members are visited root first, then domain by domain (root's domain first, then by GPU
-    order). Each of ``channels`` rings carries ``1/channels`` of the data and rotates the order
-    inside every domain, so the channels enter and leave a domain through different GPUs (and
-    NICs), as NCCL's rings do. Latency: one network or NVLink hop latency per step of the chain.
+    Each of ``channels`` rings carries ``1/channels`` of the data. A ring visits the domains in
+    GPU order and, inside each, its members (root among them) in GPU order rotated by the
+    channel number, so the channels enter and leave a domain through different GPUs (and NICs),
+    as NCCL's rings do; the broadcast runs along the ring from root to the member before it.
+    Latency: one network or NVLink hop latency per step of channel 0's chain.
     """
     topo = placement.topology
     gpu, dom = placement.gpu_of, placement.domain_of
@@ -456,21 +495,24 @@ def broadcast_chain(root: int, receivers: Sequence[int], placement: Placement, c
     if not members:
         return {}, 0.0
     by_dom: dict[int, list[int]] = defaultdict(list)
-    for r in sorted(members, key=lambda r: (gpu[r], r)):
+    for r in sorted(members + [root], key=lambda r: (gpu[r], r)):
         by_dom[int(dom[r])].append(r)
-    root_dom = int(dom[root])
-    order = ([root_dom] if root_dom in by_dom else []) + [d for d in sorted(by_dom) if d != root_dom]
+    order = sorted(by_dom)
     hops: dict[tuple[int, int], float] = defaultdict(float)
     share = 1.0 / channels
+    chain0: list[int] = []
     for c in range(channels):
-        chain = [root]
+        ring = []
         for d in order:
             grp = by_dom[d]
             k = c % len(grp)
-            chain += grp[k:] + grp[:k]
+            ring += grp[k:] + grp[:k]
+        i = ring.index(root)
+        chain = ring[i:] + ring[:i]
         for a, b in zip(chain, chain[1:]):
             hops[(a, b)] += share
-    chain0 = [root] + [r for d in order for r in by_dom[d]]
+        if c == 0:
+            chain0 = chain
     latency = sum(topo.nvlink_latency_s if dom[a] == dom[b] else topo.net_latency_s
                   for a, b in zip(chain0, chain0[1:]))
     return dict(hops), latency
@@ -565,21 +607,172 @@ def gather_broadcast_time(tensor_bytes: Sequence[int], gather_sends: Sequence[Ma
     n_recv = len({r for r in receivers if int(gpu[r]) != root_gpu})
     notes = (f"{len(buckets)} bucket(s) in turn, each a gather to rank {root} then an NCCL ring broadcast "
              f"({channels} channels) to {n_recv} ranks; NCCL runs Broadcast only as a ring",)
-    return Estimate("gather-broadcast", topology.name, gather_s + bcast_s, phases, False, notes)
+    return Estimate("gather-broadcast (naive)", topology.name, gather_s + bcast_s, phases, False, notes)
 
 
 NIC_IN_NAME, NVL_IN_NAME = LINKS[NIC_IN], LINKS[NVL_IN]
 
 
+def _spread(load: np.ndarray, g: int, helpers: np.ndarray, b: float, out_kind: int) -> None:
+    """``b`` bytes held by GPU ``g`` cross a domain boundary spread evenly over the NICs of
+    ``helpers`` (the domain's GPUs in the communicator, ``g`` among them): ``g`` hands each other
+    helper its share over NVLink, each helper moves its share over its NIC (``out_kind`` NIC out
+    or NIC in; for NIC in, read "hands" the other way: the helpers forward to ``g``)."""
+    n = len(helpers)
+    share = b / n
+    load[out_kind, helpers] += share
+    others = helpers[helpers != g]
+    if out_kind == NIC_OUT:
+        load[NVL_OUT, g] += share * len(others)
+        load[NVL_IN, others] += share
+    else:
+        load[NVL_OUT, others] += share
+        load[NVL_IN, g] += share * len(others)
+
+
+def gather_broadcast_fair_time(stages: Sequence[baseline.Stage], receivers: Sequence[int], placement: Placement,
+                               topology: Topology | None = None, *, bucket_bytes: int | None = None,
+                               channels: int = 32, relays: Sequence[int] | None = None) -> Estimate:
+    """Gather-and-broadcast as its best implementations run it, over NCCL on the same links.
+
+    Every pipeline stage (:func:`reshard.planning.baseline.stage_sends`) works on its own, all at
+    once, bucket by bucket (``bucket_bytes``; ``None``: one tensor per bucket), and a bucket's
+    broadcast overlaps the next bucket's gather:
+
+    1. *gather* into the stage's root: senders in root's NVLink domain send over NVLink; bytes
+       from another domain leave it over the NICs of all its ``relays`` GPUs (default: the
+       training ranks) and enter root's domain over all of its ``relays`` GPUs' NICs, NVLink
+       taking them to and from those GPUs (what NCCL's multi-rail all-gather rings do);
+    2. *broadcast* from root to every receiver on an NCCL ring (:func:`broadcast_chain`) whose
+       members also include the ``relays`` GPUs of root's domain, so that root's domain is left
+       through all their NICs, not root's alone; ``channels`` rings enter and leave every domain
+       through different GPUs, so each domain takes each byte once over all of its NICs and
+       each GPU gets every byte over NVLink. ``channels=32`` is NCCL's channel limit
+       (``MAXCHANNELS``): enough for every NIC of a DGX node, 32 of an NVL72 domain's 72.
+
+    Round ``j`` holds the ``j``-th bucket of every stage; its time is ``launch + latency +
+    max over links (bytes / bandwidth)``, latency the network (or NVLink) latency for the gather
+    and the longest ring's hop latencies for the broadcast. Gather and broadcast pipeline by
+    bucket, ``F_b[j] = max(F_g[j], F_b[j-1]) + t_b[j]`` (they use different link directions).
+
+    >>> from reshard.modeling.topology import Placement, Topology
+    >>> from reshard.planning.baseline import Stage
+    >>> topo = Topology.preset("dgx-h100").with_(net_latency_s=0, nvlink_latency_s=0, launch_latency_s=0)
+    >>> place = Placement.contiguous(topo, 8, 8)      # training on node 0, inference on node 1
+    >>> st = Stage(0, tuple(range(8)), ["w"] * 10, [10e9] * 10, [{r: 1.25e9 for r in range(8)}] * 10)
+    >>> est = gather_broadcast_fair_time([st], range(8, 16), place, topo)
+    >>> [round(p.seconds, 4) for p in est.phases]    # 8.75 GB in over NVLink, 10 GB over 8 NICs, per bucket
+    [0.1944, 0.25]
+    >>> round(est.seconds, 4)                         # the first gather, then the broadcasts back to back
+    0.2694
+    """
+    topology = _check_topology(placement, topology)
+    G = placement.num_gpus
+    gpu = placement.gpu_of
+    dsize = topology.gpus_per_domain
+    relay_ranks = placement.train_ranks if relays is None else relays
+    relay_gpus = np.unique(gpu[list(relay_ranks)]) if len(relay_ranks) else np.zeros(0, np.int64)
+    helpers_of: dict[int, np.ndarray] = {}
+
+    def helpers(g: int) -> np.ndarray:
+        d = g // dsize
+        h = helpers_of.get(d)
+        if h is None:
+            h = relay_gpus[relay_gpus // dsize == d]
+            helpers_of[d] = h
+        return h if g in h else np.append(h, g)
+
+    bw = np.array([topology.nic_bytes_per_s] * 2 + [topology.nvlink_bytes_per_s] * 2)[:, None]
+    # per stage: buckets, and the broadcast ring's link load per byte and hop latency
+    plans = []
+    for st in stages:
+        root_gpu = int(gpu[st.root])
+        peers = [r for r in relay_ranks if gpu[r] // dsize == root_gpu // dsize and r != st.root]
+        members = list(dict.fromkeys(peers + list(receivers)))
+        hops, hop_lat = broadcast_chain(st.root, members, placement, channels)
+        per_byte = traffic_from_pairs([hops], placement, topology).phases[0].bytes[0] if hops else np.zeros((4, G))
+        plans.append((st, root_gpu, _buckets(st.sizes, bucket_bytes), per_byte, hop_lat))
+    R = max([len(p[2]) for p in plans] + [0])
+    t_g, t_b, lat_g, lat_b = np.zeros(R), np.zeros(R), np.zeros(R), np.zeros(R)
+    acc_g, acc_b = np.zeros((4, G)), np.zeros((4, G))
+    bytes_g, bytes_b = np.zeros((4, G)), np.zeros((4, G))
+    total = 0.0
+    for j in range(R):
+        lg, lb = np.zeros((4, G)), np.zeros((4, G))
+        net = nvl = False
+        ring_lat = 0.0
+        for st, root_gpu, buckets, per_byte, hop_lat in plans:
+            if j >= len(buckets):
+                continue
+            size = float(sum(st.sizes[i] for i in buckets[j]))
+            total += size
+            if per_byte.any() and size:
+                lb += size * per_byte
+                ring_lat = max(ring_lat, hop_lat)
+            sends: dict[int, float] = defaultdict(float)
+            for i in buckets[j]:
+                for s, b in st.sends[i].items():
+                    if b > 0:
+                        sends[int(gpu[s])] += b
+            for g, b in sends.items():
+                if g == root_gpu:
+                    continue
+                if g // dsize == root_gpu // dsize:
+                    lg[NVL_OUT, g] += b
+                    lg[NVL_IN, root_gpu] += b
+                    nvl = True
+                else:
+                    _spread(lg, g, helpers(g), b, NIC_OUT)
+                    _spread(lg, root_gpu, helpers(root_gpu), b, NIC_IN)
+                    net = True
+        sg, sb = lg / bw, lb / bw
+        if net or nvl:
+            lat_g[j] = topology.launch_latency_s + (topology.net_latency_s if net else topology.nvlink_latency_s)
+        if lb.any():
+            lat_b[j] = topology.launch_latency_s + ring_lat
+        t_g[j] = lat_g[j] + float(sg.max(initial=0.0))
+        t_b[j] = lat_b[j] + float(sb.max(initial=0.0))
+        acc_g += sg
+        acc_b += sb
+        bytes_g += lg
+        bytes_b += lb
+    f_g = f_b = 0.0
+    for j in range(R):
+        f_g += t_g[j]
+        f_b = max(f_g, f_b) + t_b[j]
+    phases = []
+    for name, t, lat, acc, nb in (("gather", t_g, lat_g, acc_g, bytes_g), ("broadcast", t_b, lat_b, acc_b, bytes_b)):
+        bn = None
+        if acc.any():
+            k, g = np.unravel_index(int(np.argmax(acc)), acc.shape)
+            bn = Bottleneck(name, LINKS[k], int(g), tuple(placement.ranks_on(int(g))), float(nb[k, g]),
+                            float(acc[k, g]))
+        phases.append(PhaseEstimate(name, R, float(t.sum()), float(lat.sum()), bn))
+    n_recv = len({int(gpu[r]) for r in receivers})
+    notes = ((f"{len(stages)} pipeline stage(s) at once, each gathering into its root and broadcasting on an NCCL "
+              f"ring ({channels} channels) to {n_recv} GPUs, with the training GPUs of each domain as its NICs' "
+              f"relays; {R} bucket round(s), each bucket's broadcast overlapping the next one's gather"),)
+    return Estimate("gather-broadcast (fair)", topology.name, float(f_b), tuple(phases), True, notes)
+
+
 def gather_broadcast_time_of(plan, placement: Placement, topology: Topology | None = None, *,
                              root: int | None = None, bucket_bytes: int | None = None,
-                             channels: int = 16) -> Estimate:
-    """:func:`gather_broadcast_time` of a :class:`~reshard.planning.plan.Plan`, with the baseline's root
-    and per-tensor gather bytes (:mod:`reshard.planning.baseline`)."""
+                             channels: int | None = None, variant: str = "naive") -> Estimate:
+    """Gather-and-broadcast of a :class:`~reshard.planning.plan.Plan` (its source and destination
+    layouts; :mod:`reshard.planning.baseline` gives the roots and per-tensor gather bytes):
+    ``variant="naive"`` (:func:`gather_broadcast_time`, one root, the default here for old callers) or
+    ``"fair"`` (:func:`gather_broadcast_fair_time`, a root per pipeline stage; ``root`` unused).
+    ``channels``: NCCL rings (default: each function's own)."""
+    if variant == "fair":
+        return gather_broadcast_fair_time(baseline.stage_sends(plan.source, plan.destination),
+                                          plan.destination.ranks, placement, topology, bucket_bytes=bucket_bytes,
+                                          channels=channels or 32)
+    if variant != "naive":
+        raise ValueError(f"variant must be 'fair' or 'naive', got {variant!r}")
     root = baseline.default_root(plan) if root is None else root
     _, sizes, sends = baseline.gather_sends(plan, root)
     return gather_broadcast_time(sizes, sends, root, plan.destination.ranks, placement, topology,
-                                 bucket_bytes=bucket_bytes, channels=channels)
+                                 bucket_bytes=bucket_bytes, channels=channels or 16)
 
 
 # ============================================================================================ lower bound
@@ -593,6 +786,7 @@ class Demand:
     source_egress_bytes      bytes that must leave the source side over the network at least once
                              (distinct bytes some domain needs and holds no copy of)
     source_exclusive_bytes   source rank -> bytes only that rank holds that another domain needs
+                             (they must leave its domain: disjoint between ranks, so they add up)
     """
 
     domain_ingress_bytes: Mapping[int, float] = field(default_factory=dict)
@@ -632,53 +826,80 @@ class Bound:
         return head
 
 
-def lower_bound(demand: Demand, placement: Placement, topology: Topology | None = None) -> Bound:
+def lower_bound(demand: Demand, placement: Placement, topology: Topology | None = None, *,
+                ingress: str = "domain") -> Bound:
     """Seconds no refit can beat on these links (bandwidth only: no latency, no copies)::
 
-        max( max_d  ingress[d]      / (NICs of domain d's refit GPUs x nic_bw),
-                    source_egress   / (NICs of the source GPUs x nic_bw),
-             max_s  exclusive[s]    / nic_bw,
-             max_g  need[g]         / (nic_bw + nvlink_bw if g has a refit peer in its domain else nic_bw) )
+        max( max_d  ingress[d]                 / (NICs(d) x nic_bw),                         domain NIC ingress
+                    source_egress              / (NICs of the source domains x nic_bw),      source NIC egress
+             max_d  sum_{s in d} exclusive[s]  / (NICs(d) x nic_bw),                         source domain egress
+             max_s  exclusive[s]               / (nic_bw + nvlink_bw if s has a peer, else nic_bw),   source-only bytes
+             max_g  need[g]                    / (nic_bw + nvlink_bw if g has a peer, else nic_bw) )  GPU ingress
 
-    ``need[g]`` sums the needs of the destination ranks on GPU g. Source bytes are taken to leave a
-    domain through the NIC of a GPU that holds them (true of reshard, NCCL point-to-point and
-    gather-and-broadcast; a scheme that relays source bytes through a peer's NIC could beat the
-    two source terms).
+    ``NICs(d)`` and "a peer" (another GPU of the same NVLink domain) depend on ``ingress``:
+    ``"domain"`` (default) counts every GPU of the domain, the job's or idle, whose NIC a refit
+    could use by handing bytes over NVLink first; ``"job"`` only the GPUs the placement uses (a
+    refit that may not touch other GPUs). ``need[g]`` sums the needs of the destination ranks on
+    GPU g. Source bytes may take one NVLink hop to a peer before a NIC, so only the source's
+    domain, not its own NIC, bounds its exclusive bytes tightly.
 
     >>> from reshard.modeling.topology import Placement, Topology
-    >>> place = Placement.contiguous(Topology.preset("dgx-h100"), 8, 16)   # inference on domains 1, 2
-    >>> lower_bound(Demand(domain_ingress_bytes={1: 400e9, 2: 100e9}), place).seconds  # 400 GB / (8 x 50 GB/s)
+    >>> place = Placement.contiguous(Topology.preset("dgx-h100"), 8, 12)   # inference on domains 1, 2
+    >>> d = Demand(domain_ingress_bytes={1: 400e9, 2: 300e9})
+    >>> lower_bound(d, place).seconds                    # 400 GB / (8 x 50 GB/s)
     1.0
+    >>> lower_bound(d, place, ingress="job").seconds     # domain 2: 300 GB / (the job's 4 NICs x 50 GB/s)
+    1.5
     """
+    if ingress not in ("domain", "job"):
+        raise ValueError(f"ingress must be 'domain' or 'job', got {ingress!r}")
     topology = _check_topology(placement, topology)
     nic, nvl = topology.nic_bytes_per_s, topology.nvlink_bytes_per_s
+    size = topology.gpus_per_domain
     used = placement.used_gpus()
-    used_dom = used // topology.gpus_per_domain
+    used_dom = used // size
+    job = ingress == "job"
+
+    def nics(d: int) -> int:
+        return int((used_dom == d).sum()) if job else size
+
+    def has_peer(g: int) -> bool:
+        return (int((used_dom == g // size).sum()) if job else size) > 1
+
+    whose = "the job's " if job else ""
     terms: list[BoundTerm] = []
     for d, b in sorted(demand.domain_ingress_bytes.items()):
-        n = int((used_dom == d).sum())
-        if b and n == 0:
+        if b and not (used_dom == d).any():
             raise ValueError(f"domain {d} must receive {b} bytes but holds no GPU of the placement")
         if b:
-            terms.append(BoundTerm("domain NIC ingress", f"domain {d} ({n} NICs)", float(b), n * nic))
+            terms.append(BoundTerm("domain NIC ingress", f"domain {d} ({nics(d)} {whose}NICs)", float(b), nics(d) * nic))
     src_gpus = np.unique(placement.gpu_of[list(placement.train_ranks)])
     if demand.source_egress_bytes and not len(src_gpus):
         raise ValueError("source_egress_bytes given but the placement has no training (source) ranks")
     if demand.source_egress_bytes:
-        terms.append(BoundTerm("source NIC egress", f"all {len(src_gpus)} source GPUs",
-                               float(demand.source_egress_bytes), len(src_gpus) * nic))
+        src_doms = np.unique(src_gpus // size).tolist()
+        n = sum(nics(d) for d in src_doms)
+        terms.append(BoundTerm("source NIC egress", f"{len(src_doms)} source domain(s) ({n} {whose}NICs)",
+                               float(demand.source_egress_bytes), n * nic))
+    by_dom: dict[int, float] = defaultdict(float)
     for s, b in sorted(demand.source_exclusive_bytes.items()):
-        if b:
-            terms.append(BoundTerm("source-only bytes", f"rank {s} (GPU {int(placement.gpu_of[s])})", float(b), nic))
+        if not b:
+            continue
+        g = int(placement.gpu_of[s])
+        by_dom[g // size] += b
+        peer = has_peer(g)
+        terms.append(BoundTerm(f"source-only bytes ({'NIC + NVLink' if peer else 'NIC'})", f"rank {s} (GPU {g})",
+                               float(b), nic + (nvl if peer else 0.0)))
+    for d, b in sorted(by_dom.items()):
+        terms.append(BoundTerm("source domain egress", f"domain {d} ({nics(d)} {whose}NICs)", float(b), nics(d) * nic))
     need: dict[int, float] = defaultdict(float)
     for r, b in demand.dest_need_bytes.items():
         need[int(placement.gpu_of[r])] += b
     for g, b in sorted(need.items()):
         if not b:
             continue
-        peers = int((used_dom == g // topology.gpus_per_domain).sum()) - 1
-        cap = nic + (nvl if peers > 0 else 0.0)
-        how = "NIC + NVLink" if peers > 0 else "NIC"
+        peer = has_peer(g)
+        how = "NIC + NVLink" if peer else "NIC"
         terms.append(BoundTerm(f"GPU ingress ({how})", f"GPU {g} (ranks {', '.join(map(str, placement.ranks_on(g)))})",
-                               float(b), cap))
+                               float(b), nic + (nvl if peer else 0.0)))
     return Bound(max((t.seconds for t in terms), default=0.0), tuple(terms))

@@ -9,8 +9,13 @@
                                      (None on a machine whose domains are single GPUs)
     m.reshard                        what reshard runs on this machine (hierarchical when it exists)
     m.estimate(m.reshard)            (traffic, modeled time) of a plan's phases on the machine
-    m.gather_broadcast(bucket_bytes) the baseline as RL stacks run it, on the same links
-    m.lower_bound()                  what no refit can beat on these links
+    m.gather_broadcast(bucket_bytes) the baseline as its best implementations run it (a root per
+                                     pipeline stage, multi-rail NCCL rings, buckets overlapped);
+                                     variant="naive": one root, one NIC, nothing overlapped
+    m.hybrid(bucket_bytes)           NeMo RL's hybrid: FFN / expert weights by reshard, the rest by
+                                     the fair packed broadcast, one after the other
+    m.lower_bound()                  what no refit can beat on these links (ingress="job": using
+                                     only the NICs of the job's GPUs)
     m.write_plots(out_dir, stem)     bytes per rank pair (heat map) and link load per GPU (bars)
 
 Rounds: a plan with a staging cap is modeled with its own per-stream quotas; an uncapped plan
@@ -32,14 +37,16 @@ with ``rounds_cap`` (the planner's quota rule on its payload bytes), else as one
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..layout import Layout
+from ..planning.baseline import stage_sends
 from ..planning.hierarchy import HierarchicalPlan, domain_need_bytes, hierarchical_plan
+from ..planning.hybrid import HybridRule, split_layout
 from ..planning.plan import PhasedPlan, Plan
-from .cost import (Bound, Demand, Estimate, Traffic, gather_broadcast_time_of, lower_bound, model_time,
-                   traffic_from_pairs)
+from .cost import (Bound, Demand, Estimate, Traffic, gather_broadcast_fair_time, gather_broadcast_time_of,
+                   lower_bound, model_time, traffic_from_pairs)
 from .plots import plot_link_load, plot_pair_bytes
 from .topology import Placement, Topology
 
@@ -95,36 +102,99 @@ class RefitModel:
             hit = self._estimates[key] = (traffic, model_time(traffic, self.topology, method=method))
         return hit
 
-    def gather_broadcast(self, bucket_bytes: int | None = None) -> Estimate:
-        """Gather-and-broadcast modeled on the same links (see :func:`~reshard.modeling.cost.gather_broadcast_time`)."""
-        return gather_broadcast_time_of(self.direct, self.placement, self.topology, bucket_bytes=bucket_bytes)
+    def gather_broadcast(self, bucket_bytes: int | None = None, *, variant: str = "fair") -> Estimate:
+        """Gather-and-broadcast modeled on the same links, per bucket of ``bucket_bytes`` (``None``: one
+        tensor a bucket). ``variant="fair"``: as its best implementations run it, a root per pipeline
+        stage, multi-rail NCCL rings, buckets overlapped (:func:`~reshard.modeling.cost.gather_broadcast_fair_time`);
+        ``"naive"``: one root gathers everything and broadcasts it from its one NIC, bucket after bucket
+        (:func:`~reshard.modeling.cost.gather_broadcast_time`)."""
+        if variant not in ("fair", "naive"):
+            raise ValueError(f"variant must be 'fair' or 'naive', got {variant!r}")
+        key = ("gather-broadcast", variant, bucket_bytes)
+        hit = self._estimates.get(key)
+        if hit is None:
+            if variant == "fair":
+                hit = gather_broadcast_fair_time(stage_sends(self.source, self.destination), self.destination.ranks,
+                                                 self.placement, self.topology, bucket_bytes=bucket_bytes)
+            else:
+                hit = gather_broadcast_time_of(self.direct, self.placement, self.topology, bucket_bytes=bucket_bytes)
+            self._estimates[key] = hit
+        return hit
+
+    def hybrid(self, bucket_bytes: int | None = None, *, rounds_cap: int | None = None,
+               rule: HybridRule | None = None) -> Estimate:
+        """NeMo RL's hybrid refit: the tensors ``rule`` picks (default :class:`~reshard.planning.hybrid.HybridRule`:
+        FFN and expert weights) by reshard (hierarchical where there are NVLink domains, else direct;
+        ``rounds_cap`` as in :meth:`estimate`), then the others by the fair packed broadcast (buckets of
+        ``bucket_bytes``). The two parts run one after the other: both are bound by the same inference
+        NICs, so running them at once would share those links rather than save time."""
+        key = ("hybrid", bucket_bytes, rounds_cap, rule)
+        hit = self._estimates.get(key)
+        if hit is not None:
+            return hit
+        src_r, src_b = split_layout(self.source, rule)
+        dst_r, dst_b = split_layout(self.destination, rule)
+        parts: list[tuple[str, Estimate]] = []
+        if any(len(t) for t in dst_r.tables.values()):
+            if self.topology.gpus_per_domain > 1:
+                domains = dict(enumerate(self.placement.domain_of.tolist()))
+                plan = hierarchical_plan(src_r, dst_r, domains, max_bucket_bytes=self.direct.max_bucket_bytes)
+            else:
+                plan = Plan(src_r, dst_r, max_bucket_bytes=self.direct.max_bucket_bytes)
+            parts.append(("reshard", model_time(self.traffic(plan, rounds_cap=rounds_cap), self.topology)))
+        if any(len(t) for t in dst_b.tables.values()):
+            parts.append(("broadcast", gather_broadcast_fair_time(stage_sends(src_b, dst_b), dst_b.ranks,
+                                                                  self.placement, self.topology,
+                                                                  bucket_bytes=bucket_bytes)))
+        phases = []
+        for label, est in parts:
+            for p in est.phases:
+                bn = replace(p.bottleneck, phase=f"{label} {p.bottleneck.phase}") if p.bottleneck else None
+                phases.append(replace(p, name=f"{label} {p.name}", bottleneck=bn))
+        n_r = sum(1 for t in dst_r.tables.values() if len(t))
+        n_b = sum(1 for t in dst_b.tables.values() if len(t))
+        notes = tuple(f"{label}: {est.seconds:.4g} s ({est.method}{', phases pipelined' if est.pipelined else ''})"
+                      for label, est in parts)
+        notes += (f"{n_r} tensors by reshard, {n_b} by packed broadcast; the parts run one after the other",)
+        hit = self._estimates[key] = Estimate("hybrid", self.topology.name, sum(e.seconds for _, e in parts),
+                                              tuple(phases), False, notes)
+        return hit
 
     def demand(self) -> Demand:
         """What any refit of these layouts must move (the lower bound's inputs).
 
-        * per domain: the bytes the hierarchical plan brings in from other domains: every distinct
-          box its ranks need, minus what sources inside it hold (the planner takes a replica inside
-          the domain when there is one; tests check this against numpy masks);
+        * per domain: the bytes it must take from other domains. With no source in any destination
+          domain: the distinct boxes its destination ranks hold (identical boxes once,
+          :func:`~reshard.planning.hierarchy.domain_need_bytes`); else what the hierarchical plan brings
+          in (every distinct box its ranks need, minus what sources inside it hold: the planner takes a
+          replica inside the domain when there is one; tests check this against numpy masks);
         * per destination rank: the bytes it receives in the direct plan (each element it needs and
           does not hold, once: the minimum, as the property tests check);
         * sources: with no source in any destination domain, every distinct box must leave the
-          sources once; bytes only one source rank holds leave through that rank's NIC.
+          sources once; bytes only one source rank holds must leave its domain.
         """
         direct, dom = self.direct, self.placement.domain_of
         dst_domains = {int(dom[r]) for r in direct.destination.ranks}
         src_domains = {int(dom[r]) for r in direct.source.ranks}
         egress = 0.0
         exclusive: dict[int, float] = {}
+        ingress: dict[int, float] = {}
         if not dst_domains & src_domains:  # every distinct box some destination holds leaves the sources
             one_domain = {r: 0 for r in direct.destination.ranks}
             egress = float(sum(domain_need_bytes(direct.destination, one_domain).values()))
             exclusive = exclusive_source_bytes(direct)
-        ingress = dict(self.hierarchical.cross_domain_bytes) if self.hierarchical is not None else {}
+            if self.topology.gpus_per_domain > 1:
+                ingress = dict(domain_need_bytes(direct.destination,
+                                                 {r: int(dom[r]) for r in direct.destination.ranks}))
+        elif self.hierarchical is not None:
+            ingress = dict(self.hierarchical.cross_domain_bytes)
         return Demand(domain_ingress_bytes=ingress, dest_need_bytes=dict(direct.recv_bytes),
                       source_egress_bytes=egress, source_exclusive_bytes=exclusive)
 
-    def lower_bound(self) -> Bound:
-        return lower_bound(self.demand(), self.placement, self.topology)
+    def lower_bound(self, *, ingress: str = "domain") -> Bound:
+        """What no refit can beat on these links (:func:`~reshard.modeling.cost.lower_bound`): ``ingress="domain"``
+        lets a refit use every NIC of an NVLink domain it touches, ``"job"`` only its own GPUs' NICs."""
+        return lower_bound(self.demand(), self.placement, self.topology, ingress=ingress)
 
     def write_plots(self, out_dir: str | Path, stem: str, title: str = "refit", *,
                     rounds_cap: int | None = None) -> list[Path]:

@@ -64,6 +64,7 @@ class Topology:
                           copy and message work adds up per node (the CPU preset); None on GPUs
       host_bytes_per_s    if set, total network bytes a node can move per second in each direction,
                           all its ranks together (a host's loopback); None: the sum of its NICs
+      gpu_memory_bytes    one GPU's memory, to tell whether a layout's weights fit at all; None: unknown
     """
 
     name: str
@@ -79,6 +80,7 @@ class Topology:
     copy_overhead_s: float = 0.0
     host_cores: int | None = None
     host_bytes_per_s: float | None = None
+    gpu_memory_bytes: float | None = None
 
     def __post_init__(self) -> None:
         for f in ("gpus_per_domain", "gpus_per_node"):
@@ -100,6 +102,9 @@ class Topology:
         if self.host_bytes_per_s is not None and not self.host_bytes_per_s > 0:
             raise ValueError(f"topology {self.name!r}: host_bytes_per_s must be > 0 or null, "
                              f"got {self.host_bytes_per_s!r}")
+        if self.gpu_memory_bytes is not None and not self.gpu_memory_bytes > 0:
+            raise ValueError(f"topology {self.name!r}: gpu_memory_bytes must be > 0 or null, "
+                             f"got {self.gpu_memory_bytes!r}")
 
     # ------------------------------------------------------------------ presets and files
     @staticmethod
@@ -225,6 +230,14 @@ def parse_bandwidth(text: str) -> float:
     return float(m.group(1)) * _PREFIX[m.group(2) or ""] * (1 / 8 if m.group(3) == "b" else 1.0)
 
 
+def parse_size(text: str) -> float:
+    """``"80 GB"`` -> 8e10 bytes; ``"192 GiB"`` -> 192 * 2**30."""
+    m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*(k|K|M|G|T|Ki|Mi|Gi|Ti)?B\s*", text)
+    if not m:
+        raise ValueError(f"cannot read size {text!r}; write e.g. '80 GB', '192 GiB' or a number of bytes")
+    return float(m.group(1)) * _PREFIX[m.group(2) or ""]
+
+
 def parse_duration(text: str) -> float:
     """``"5 us"`` -> 5e-06 s."""
     m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*(s|ms|us|µs|ns)\s*", text)
@@ -236,7 +249,7 @@ def parse_duration(text: str) -> float:
 def _read_value(key: str, raw):
     if key == "name":
         return str(raw)
-    if raw is None and key in ("host_cores", "host_bytes_per_s"):
+    if raw is None and key in ("host_cores", "host_bytes_per_s", "gpu_memory_bytes"):
         return None
     if key in ("gpus_per_domain", "gpus_per_node", "host_cores"):
         if isinstance(raw, bool) or not isinstance(raw, int):
@@ -249,6 +262,8 @@ def _read_value(key: str, raw):
     if isinstance(raw, str):
         if key.endswith("bytes_per_s"):
             return parse_bandwidth(raw)
+        if key.endswith("_bytes"):
+            return parse_size(raw)
         if key.endswith("_s"):
             return parse_duration(raw)
     raise ValueError(f"expected a number, got {raw!r}")
@@ -281,17 +296,17 @@ def cpu_topology(**measured) -> Topology:
 _PRESETS: dict[str, Topology] = {
     # DGX H100: 8 H100 SXM per node on NVSwitch (NVLink 4: 900 GB/s total = 450 per direction per GPU);
     # 8 ConnectX-7 400 Gb/s ports for the compute fabric, one per GPU. HBM3 3.35 TB/s: a copy reads
-    # and writes, so about half of it. Latencies: NCCL's own tuning model (docs/cost_model.md).
+    # and writes, so about half of it; 80 GB each. Latencies: NCCL's own tuning model (docs/cost_model.md).
     "dgx-h100": Topology(
         name="dgx-h100", gpus_per_domain=8, gpus_per_node=8, nic_bytes_per_s=400 * _GBIT,
         nvlink_bytes_per_s=450 * GB, net_latency_s=14e-6, nvlink_latency_s=3.4e-6, launch_latency_s=8.4e-6,
-        copy_bytes_per_s=3.35e12 / 2, message_overhead_s=1e-6),
+        copy_bytes_per_s=3.35e12 / 2, message_overhead_s=1e-6, gpu_memory_bytes=80 * GB),
     # GB200 NVL72: 72 Blackwell GPUs in one NVLink domain (NVLink 5: 1.8 TB/s total = 900 per direction),
-    # 18 compute trays of 4 GPUs, one 400 Gb/s NIC per GPU; HBM3e 8 TB/s.
+    # 18 compute trays of 4 GPUs, one 400 Gb/s NIC per GPU; HBM3e 8 TB/s, 13.4 TB per rack = 186 GB per GPU.
     "gb200-nvl72": Topology(
         name="gb200-nvl72", gpus_per_domain=72, gpus_per_node=4, nic_bytes_per_s=400 * _GBIT,
         nvlink_bytes_per_s=900 * GB, net_latency_s=14e-6, nvlink_latency_s=3.4e-6, launch_latency_s=8.4e-6,
-        copy_bytes_per_s=8e12 / 2, message_overhead_s=1e-6),
+        copy_bytes_per_s=8e12 / 2, message_overhead_s=1e-6, gpu_memory_bytes=13.4e12 / 72),
     "cpu": cpu_topology(),
 }
 

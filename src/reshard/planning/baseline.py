@@ -10,9 +10,14 @@ every byte of every tensor. Per-rank bytes for tensor ``t`` on 4 -> 3 ranks (roo
     sends       3 x t (logical)   1/4 of t each      0
 
 Its executor (:class:`~reshard.execution.gather_broadcast.GatherBroadcastExecutor`) runs
-:func:`gather_plan` and NCCL/gloo broadcasts; the cost model
+:func:`gather_plan` and NCCL/gloo broadcasts; the cost model's naive variant
 (:func:`~reshard.modeling.cost.gather_broadcast_time_of`) models the same steps from
 :func:`gather_sends`; ``reshard plan`` counts :func:`gather_broadcast_bytes`.
+
+The best implementations gather per pipeline stage instead, each stage into its own root, and
+broadcast from all the roots at once: :func:`stage_groups` finds the stages of a source layout
+(ranks that hold parts of one tensor), :func:`stage_sends` what each gathers, the input of the
+cost model's fair variant (:func:`~reshard.modeling.cost.gather_broadcast_fair_time`).
 
 >>> import torch, reshard as rs
 >>> spec = rs.TensorSpec("w", (4, 6), torch.float32)
@@ -25,6 +30,9 @@ Its executor (:class:`~reshard.execution.gather_broadcast.GatherBroadcastExecuto
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import NamedTuple
+
+import numpy as np
 
 from ..layout import Layout
 from ..placements import Replicate
@@ -77,15 +85,92 @@ def gather_sends(plan: Plan, root: int | None = None) -> tuple[list[str], list[i
     replicas gives in aggregate, without planning whole models). Boxes are taken as equal or
     disjoint, which Shard/Replicate layouts give.
     """
-    src = plan.source
     root = default_root(plan) if root is None else root
+    return _sends(plan.source, plan.destination, plan.tensors, lambda name: root)
+
+
+class Stage(NamedTuple):
+    """One pipeline stage of the source side, as the fair baseline gathers it: its ``root`` (lowest
+    rank), its ``ranks``, and per tensor it holds: ``names``, full ``sizes`` (destination dtype) and
+    ``sends`` (``{rank: bytes it sends to root}``, as :func:`gather_sends`)."""
+
+    root: int
+    ranks: tuple[int, ...]
+    names: list[str]
+    sizes: list[int]
+    sends: list[dict[int, int]]
+
+
+def stage_groups(source: Layout) -> list[tuple[int, ...]]:
+    """Source ranks grouped into pipeline stages, sorted: ranks that hold pieces of one tensor are
+    in one stage (connected components), so a Megatron pipeline stage (all its TP / EP / DP ranks
+    hold parts of its layers) is one group, and an FSDP or pure TP layout is a single group.
+
+    >>> import torch, reshard as rs
+    >>> a, b = rs.TensorSpec("a", (4,), torch.float32), rs.TensorSpec("b", (4,), torch.float32)
+    >>> src = rs.Layout.merge([rs.Layout.from_placements(a, [0, 1], (2,), [rs.Shard(0)]),    # stage 0
+    ...                        rs.Layout.from_placements(b, [2, 3], (2,), [rs.Replicate()])])  # stage 1
+    >>> stage_groups(src)
+    [(0, 1), (2, 3)]
+    """
+    parent: dict[int, int] = {r: r for r in source.ranks}
+
+    def find(r: int) -> int:
+        while parent[r] != r:
+            parent[r] = parent[parent[r]]
+            r = parent[r]
+        return r
+
+    seen: set[bytes] = set()
+    for t in source.tables.values():
+        if not len(t):
+            continue
+        ranks = np.unique(t.ranks)
+        key = ranks.tobytes()
+        if key in seen:
+            continue
+        seen.add(key)
+        first = find(int(ranks[0]))
+        for r in ranks[1:].tolist():
+            other = find(r)
+            if other != first:
+                parent[max(other, first)] = min(other, first)
+                first = min(other, first)
+    groups: dict[int, list[int]] = defaultdict(list)
+    for r in source.ranks:
+        groups[find(r)].append(r)
+    return sorted(tuple(sorted(g)) for g in groups.values())
+
+
+def stage_sends(source: Layout, destination: Layout) -> list[Stage]:
+    """Per pipeline stage (:func:`stage_groups`), what it gathers into its root: the input of
+    :func:`~reshard.modeling.cost.gather_broadcast_fair_time`. Tensors with no destination piece
+    are left out; each of the others belongs to the one stage whose ranks hold it."""
+    groups = stage_groups(source)
+    root_of = {r: g[0] for g in groups for r in g}
+    names = [n for n, t in destination.tables.items() if len(t) and len(source.tables.get(n, ()))]
+    by_root: dict[int, list[str]] = defaultdict(list)
+    for n in names:
+        by_root[root_of[int(source.tables[n].ranks[0])]].append(n)
+    out = []
+    for g in groups:
+        mine = by_root.get(g[0], [])
+        if not mine:
+            continue
+        nm, sizes, sends = _sends(source, destination, mine, lambda name, root=g[0]: root)
+        out.append(Stage(g[0], g, nm, sizes, sends))
+    return out
+
+
+def _sends(source: Layout, destination: Layout, tensors, root_of) -> tuple[list[str], list[int], list[dict[int, int]]]:
     names, sizes, sends = [], [], []
     cache: dict[tuple, dict[int, int]] = {}
-    for name in plan.tensors:
-        spec = plan.destination.specs[name]
-        isz = int(plan.destination.itemsizes(name)[0])
-        t = src.tables[name]
-        key = (t.geometry_key(), isz)
+    for name in tensors:
+        root = root_of(name)
+        spec = destination.specs[name]
+        isz = int(destination.itemsizes(name)[0])
+        t = source.tables[name]
+        key = (t.geometry_key(), isz, root)
         got = cache.get(key)
         if got is None:
             got = {}
@@ -105,5 +190,5 @@ def gather_sends(plan: Plan, root: int | None = None) -> tuple[list[str], list[i
     return names, sizes, sends
 
 
-__all__ = ["broadcast_members", "default_root", "gather_broadcast_bytes", "gather_layout", "gather_plan",
-           "gather_sends"]
+__all__ = ["Stage", "broadcast_members", "default_root", "gather_broadcast_bytes", "gather_layout", "gather_plan",
+           "gather_sends", "stage_groups", "stage_sends"]

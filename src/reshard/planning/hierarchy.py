@@ -18,7 +18,9 @@ each need all of it, domains ``{2, 3}`` and ``{4, 5}``::
 A *relay* phase goes between them when more domains need a box than the sources hold copies
 of it (:func:`split_relays`): the sources send it to as many *seed* domains as they hold
 copies, and the seeds' receivers send it on to the other domains' over the network, whose
-inference-side NICs are otherwise idle in phase 1.
+inference-side NICs are otherwise idle in phase 1. A seed sends its box several times, so seeds
+are spread per box and per tensor over the ranks, balancing what each NIC sends on: with 8
+independent engines, slice t of each expert seeds on the GPUs holding slice t in turn.
 
 Sources are chosen with ``domains`` (see :class:`~reshard.planning.plan.Plan`): a replica inside the
 destination's domain is used when there is one, else the replica with the least traffic out
@@ -44,6 +46,7 @@ from ..tensors import itemsize
 from .plan import Plan, domain_array
 
 AUTO = "auto"
+SEED_UNITS = 8  # runs of tensors sharing a geometry that may seed a relayed box on different ranks
 
 
 @dataclass
@@ -275,30 +278,52 @@ def split_across_replicas(receivers: Layout, source: Layout, split_bytes: int) -
     return _with_tables(receivers, tables)
 
 
-def _relay_rows(t: PieceTable, st: PieceTable, dom: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-    """(seed rows, relayed rows) of one receivers table, or None when no box needs a relay."""
+def _relay_boxes(t: PieceTable, st: PieceTable, dom: np.ndarray) -> list[tuple[np.ndarray, int]]:
+    """The boxes of one receivers table that need a relay: per box, its *members* (the rows of the
+    domains that hold no source piece of the tensor, one per domain, in domain order) and how
+    many of them are seeds (the source copies not already taken by domains that fetch anyway)."""
     copies = _source_copies(st)
     if len(t) <= copies:
-        return None
+        return []
     boxes = np.concatenate([t.offsets, t.sizes], axis=1)
     _, inv, counts = np.unique(boxes, axis=0, return_inverse=True, return_counts=True)
     inv = inv.reshape(-1)
     # a domain holding any source piece of the tensor fetches directly: no byte it holds crosses the network
     holds = np.isin(dom[t.ranks], dom[st.ranks])
-    relayed = np.zeros(len(t), bool)
+    out = []
     for b in np.flatnonzero(counts > copies).tolist():
         members = np.flatnonzero((inv == b) & ~holds)
         extra = max(copies - int(((inv == b) & holds).sum()), 0)  # seeds besides the domains that fetch anyway
-        c = len(members)
-        if c <= extra:
-            continue
-        members = members[np.argsort(dom[t.ranks[members]], kind="stable")]
-        seeds = (np.arange(extra) * c // max(extra, 1) + b) % c  # spread over the domains, rotated per box
-        relayed[members] = True
-        relayed[members[seeds]] = False
-    if not relayed.any():
-        return None
-    return np.flatnonzero(~relayed), np.flatnonzero(relayed)
+        if len(members) > extra:
+            out.append((members[np.argsort(dom[t.ranks[members]], kind="stable")], extra))
+    return out
+
+
+def _dealt_seeds(members: np.ndarray, extra: int, n: int, units: int = SEED_UNITS
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """The ``extra`` seed rows of one box for each of the ``n`` tensors of its geometry, from
+    ``members`` least loaded first. The tensors form ``min(n, units)`` runs of consecutive ones (the fewer
+    runs, the fewer seed patterns: plan geometries); the ``extra`` seed slots of each run (run j's
+    k-th at ``k * runs + j``) go to the members in contiguous blocks, as even as can be, the first
+    members taking the remainder. A run's seeds are distinct: a block holds at most ``runs`` slots.
+
+    Returns (seeds of each run ``[runs, extra]``, the run of each tensor ``[n]``).
+
+    >>> def dealt(*a, **k):
+    ...     seeds, run = _dealt_seeds(np.array([7, 8, 9]), *a, **k)
+    ...     return seeds[run].tolist()
+    >>> dealt(1, 4)                # 4 tensors over 3 members
+    [[7], [7], [8], [9]]
+    >>> dealt(2, 3)                # 2 seeds each, all distinct
+    [[7, 8], [7, 9], [8, 9]]
+    >>> dealt(1, 6, units=3)       # runs of 2 tensors
+    [[7], [7], [8], [8], [9], [9]]
+    """
+    c, u = len(members), min(n, units)
+    q, r = divmod(u * extra, c)
+    ends = np.cumsum(q + (np.arange(c) < r))
+    slots = np.arange(extra)[None, :] * u + np.arange(u)[:, None]
+    return members[np.searchsorted(ends, slots, side="right")], np.arange(n) * u // max(n, 1)
 
 
 def split_relays(receivers: Layout, source: Layout, domains: Mapping[int, int]) -> tuple[Layout, Layout | None]:
@@ -306,27 +331,73 @@ def split_relays(receivers: Layout, source: Layout, domains: Mapping[int, int]) 
     are cut into as many seeds as there are copies and the rest, which take the box from a seed
     over the network instead of from a source (a training stage holding the LM head on 64 ranks
     then sends it 64 times, not once per inference domain). ``relayed`` is None when no box needs it.
+
+    A seed sends its box on to (members - seeds) / seeds domains, so seeds are chosen to balance
+    those relay sends over the GPUs: biggest boxes first, each to the members with the least relay
+    bytes out so far (ties: lowest rank), the tensors sharing a geometry dealt over them in up to
+    ``SEED_UNITS`` runs (:func:`_dealt_seeds`), so that slice t of every expert does not seed on
+    one GPU (its NIC would send that slice of the whole model again and again).
     """
     dom = domain_array(domains, receivers.ranks)
-    seeds: dict[str, PieceTable] = {}
-    relayed: dict[str, PieceTable] = {}
-    cache: dict[tuple, tuple | None] = {}
-    empty = np.zeros(0, np.int64)
+    groups: dict[tuple, list[str]] = {}
+    held: dict[int, bytes] = {}
     for name, t in receivers.tables.items():
         st = source.tables.get(name)
-        hit = None
         if len(t) and st is not None and len(st):
-            key = (id(t.ranks), id(t.offsets), id(t.sizes), id(st.offsets), id(st.sizes), len(st))
-            if key not in cache:  # every table stays alive while this runs: ids are unique
-                rows = _relay_rows(t, st, dom)
-                cache[key] = None if rows is None else (rows[0], _rows_of(t, rows[0]), rows[1], _rows_of(t, rows[1]))
-            hit = cache[key]
-        if hit is None:
-            seeds[name] = t
-            relayed[name] = _subset(t, empty, _rows_of(t, empty))
-        else:
-            seeds[name] = _subset(t, hit[0], hit[1])
-            relayed[name] = _subset(t, hit[2], hit[3])
+            h = held.get(id(st.ranks))
+            if h is None:  # every table stays alive while this runs: ids are unique
+                h = held[id(st.ranks)] = np.unique(dom[st.ranks]).tobytes()
+            key = (id(t.ranks), id(t.offsets), id(t.sizes), id(st.offsets), id(st.sizes), len(st), h)
+            groups.setdefault(key, []).append(name)
+    load = [0] * len(dom)  # relay bytes each rank sends (estimated)
+    work = []  # (-bytes of the box over the group's tensors, group, box)
+    found = []  # per group: (names, table, relay boxes)
+    for gi, names in enumerate(groups.values()):
+        t, st = receivers.tables[names[0]], source.tables[names[0]]
+        boxes = _relay_boxes(t, st, dom)
+        isz = sum(itemsize(receivers.specs[n].dtype) for n in names)
+        for bi, (members, _) in enumerate(boxes):
+            work.append((-int(t.sizes[members[0]].prod()) * isz, gi, bi))
+        found.append((names, t, boxes, []))
+    work.sort()
+    for negb, gi, bi in work:
+        names, t, boxes, dealt = found[gi]
+        members, extra = boxes[bi]
+        ranks = t.ranks[members].tolist()
+        order = sorted(range(len(ranks)), key=lambda x: (load[ranks[x]], ranks[x]))
+        seeds_of_run, run = _dealt_seeds(members[order], extra, len(names))
+        per_slot = -negb * (len(members) - extra) // (len(names) * max(extra, 1))  # relay bytes one seed sends
+        for row_seeds, k in zip(t.ranks[seeds_of_run].tolist(), np.bincount(run).tolist()):
+            for r in row_seeds:
+                load[r] += per_slot * k
+        dealt.append((bi, seeds_of_run[run]))
+    seeds: dict[str, PieceTable] = {}
+    relayed: dict[str, PieceTable] = {}
+    empty = np.zeros(0, np.int64)
+    for names, t, boxes, dealt in found:
+        if not boxes:
+            for name in names:
+                seeds[name] = receivers.tables[name]
+                relayed[name] = _subset(receivers.tables[name], empty, _rows_of(t, empty))
+            continue
+        dealt.sort(key=lambda o: o[0])
+        patterns, which = np.unique(np.concatenate([rows for _, rows in dealt], axis=1), axis=0, return_inverse=True)
+        which = which.reshape(-1)
+        relay_rows = np.concatenate([boxes[bi][0] for bi, _ in dealt])
+        cut = []
+        for pat in patterns:
+            keep = np.ones(len(t), bool)
+            keep[relay_rows] = False
+            keep[pat] = True
+            kr, rr = np.flatnonzero(keep), np.flatnonzero(~keep)
+            cut.append((kr, _rows_of(t, kr), rr, _rows_of(t, rr)))
+        for name, w in zip(names, which.tolist()):
+            own = receivers.tables[name]
+            seeds[name] = _subset(own, cut[w][0], cut[w][1])
+            relayed[name] = _subset(own, cut[w][2], cut[w][3])
     if all(not len(t) for t in relayed.values()):
         return receivers, None
+    for name, t in receivers.tables.items():  # in the receivers' order; tensors with no source piece as they are
+        seeds[name] = seeds.pop(name, t)
+        relayed[name] = relayed.pop(name) if name in relayed else _subset(t, empty, _rows_of(t, empty))
     return _with_tables(receivers, seeds), _with_tables(receivers, relayed)

@@ -59,7 +59,7 @@ class RefitStats:
     seconds: float  # the whole refit on this rank: transfer, post-processing, commit
     sent_bytes: int
     recv_bytes: int
-    peak_staging_bytes: int  # transfer staging (the plan's cap) plus staged destination buffers
+    peak_staging_bytes: int  # transfer staging (two rounds in flight, <= max_bucket_bytes) + staged destinations
     in_place_bytes: int  # destination bytes written straight into live storage
     reprocessed_bytes: int  # destination bytes staged, then put in place by the engine's post-load path
     run: RunStats  # the executor's figures, per phase
