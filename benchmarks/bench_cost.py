@@ -36,12 +36,11 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-from bench_refit import parse_configs, print_header  # noqa: E402  (benchmarks/ is on the path when run as a script)
+from bench_refit import parse_configs, print_header, spawn_for_json  # noqa: E402  (benchmarks/ is on the path when run as a script)
 from rich.console import Console
 from rich.table import Table
 
@@ -274,15 +273,8 @@ def empty_round_model(topo, m: int, n: int) -> float:
 
 def run_refit(model, train: TrainParallel, infer: InferParallel, bucket: int | None, repeat: int,
               stream_bytes: int) -> dict:
-    fd, path = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    try:
-        rs.spawn(_refit_worker, train.world + infer.world, path, model, train, infer, bucket, repeat, stream_bytes,
-                 backend="gloo")
-        with open(path) as f:
-            return json.load(f)
-    finally:
-        os.unlink(path)
+    return spawn_for_json(_refit_worker, train.world + infer.world, model, train, infer, bucket, repeat,
+                          stream_bytes)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
@@ -35,12 +34,11 @@ from rich.table import Table
 
 import reshard as rs
 from reshard import verify
-from reshard.execution.process_group import spawn
 from reshard.frameworks.parallel import InferParallel, TrainParallel, model_layouts
 from reshard.models import DEMO_MODEL, get_arch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_refit import print_header
+from bench_refit import print_header, spawn_for_json
 
 MiB = 1 << 20
 VARIANTS = ("sequential B", "overlap B", "overlap B/2")
@@ -58,7 +56,7 @@ def parse_config(item: str) -> tuple[str, str, bool]:
     return str(TrainParallel("fsdp", dp=m)), str(InferParallel("dtensor", tp=tp, dp=dp)), colocate
 
 
-def _worker(rank: int, world: int, item: str, layers: int, buckets: list[int], repeat: int, path: str) -> None:
+def _worker(rank: int, world: int, path: str, item: str, layers: int, buckets: list[int], repeat: int) -> None:
     train, infer, colocate = parse_config(item)
     lay = model_layouts(get_arch(DEMO_MODEL).with_overrides(layers=layers), train, infer, colocate=colocate)
     src = verify.fill_source(lay.source, rank) if rank in lay.source_ranks else {}
@@ -97,14 +95,7 @@ def _worker(rank: int, world: int, item: str, layers: int, buckets: list[int], r
 def run_config(item: str, args, buckets: list[int]) -> dict:
     train, infer, colocate = parse_config(item)
     lay = model_layouts(get_arch(DEMO_MODEL).with_overrides(layers=args.layers), train, infer, colocate=colocate)
-    fd, path = tempfile.mkstemp(prefix="reshard-overlap-", suffix=".json")
-    os.close(fd)
-    try:
-        spawn(_worker, lay.world_size, item, args.layers, buckets, args.repeat, path, backend="gloo")
-        with open(path) as f:
-            return json.load(f)
-    finally:
-        os.unlink(path)
+    return spawn_for_json(_worker, lay.world_size, item, args.layers, buckets, args.repeat)
 
 
 def main(argv: list[str] | None = None) -> int:

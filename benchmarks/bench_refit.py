@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import platform
 import shlex
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -47,6 +49,19 @@ DEFAULT_CONFIGS = "2-2:2x1,4-4:4x1,4-4:2x2,2-4:4x1,4-2:2x1"
 PLANNER_CASES = [  # (M, tp, dp, layers)
     (4, 2, 2, 28), (64, 8, 8, 28), (128, 8, 16, 28), (128, 8, 16, 280),
 ]
+
+
+def spawn_for_json(fn, world_size: int, *args, backend: str | None = "gloo"):
+    """Run ``fn(rank, world_size, path, *args)`` in ``world_size`` processes; return what rank 0
+    wrote to ``path`` as JSON (the file is removed)."""
+    fd, path = tempfile.mkstemp(prefix="reshard-bench-", suffix=".json")
+    os.close(fd)
+    try:
+        rs.spawn(fn, world_size, path, *args, backend=backend)
+        with open(path) as f:
+            return json.load(f)
+    finally:
+        os.unlink(path)
 
 
 def print_header(console, script: str, argv: list[str] | None) -> None:
