@@ -47,7 +47,7 @@ class ReshardWeightTransferInitInfo(WeightTransferInitInfo):
     rank_offsets: list[int]  # first rank of each engine's workers in that group, engine by engine
     engine_index: int = 0
     method: str = AUTO  # "auto", "reshard", "hierarchical", or "broadcast"
-    max_bucket_bytes: int | None = DEFAULT_BUCKET_BYTES  # a refit's staging cap per rank and round
+    max_bucket_bytes: int | None = DEFAULT_BUCKET_BYTES  # a refit's transfer staging cap per rank
     bucket_bytes: int | None = None  # "broadcast": bytes per broadcast bucket
     timeout_s: float = 300.0
     comm_backend: str | None = None  # "gloo" or "nccl"; default: nccl when CUDA is available

@@ -54,7 +54,7 @@ class ReshardTrainerInitInfo(TrainerInitInfo):
     num_trainer_ranks: int = 1
     engine_world_sizes: list[int] | None = None
     method: str = AUTO  # "auto" (hierarchical over NVLink domains when they exist), "reshard", "hierarchical"
-    max_bucket_bytes: int | None = DEFAULT_BUCKET_BYTES  # staging cap per rank and round
+    max_bucket_bytes: int | None = DEFAULT_BUCKET_BYTES  # transfer staging cap per rank (two rounds in flight share it)
     timeout_s: float = 300.0  # bounds every wait of the session
     comm_backend: str | None = None  # "gloo" or "nccl"; default: nccl when CUDA is available
 
