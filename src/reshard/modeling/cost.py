@@ -466,20 +466,6 @@ def model_time(traffic: Traffic, topology: Topology | None = None, *, pipeline: 
 
 
 # ============================================================================================ gather-and-broadcast
-def _buckets(tensor_bytes: Sequence[int], bucket_bytes: int | None) -> list[list[int]]:
-    """Consecutive tensors grouped up to ``bucket_bytes`` (a bigger tensor is a bucket of its own)."""
-    out: list[list[int]] = []
-    sizes: list[float] = []
-    for i, b in enumerate(tensor_bytes):
-        if out and bucket_bytes is not None and sizes[-1] + b <= bucket_bytes:
-            out[-1].append(i)
-            sizes[-1] += b
-        else:
-            out.append([i])
-            sizes.append(b)
-    return out
-
-
 def broadcast_chain(root: int, receivers: Sequence[int], placement: Placement, channels: int) -> tuple[dict, float]:
     """NCCL's ring broadcast as point-to-point hops, for 1 byte: ``({(a, b): bytes}, hop latency s)``.
 
@@ -558,7 +544,7 @@ def gather_broadcast_time(tensor_bytes: Sequence[int], gather_sends: Sequence[Ma
         bc_per_byte, bc_kind, bc_gpu = float(link[k, g]), LINKS[k], int(g)
     gather_s = gather_lat = bcast_s = total = 0.0
     root_in = np.zeros(2)  # bytes into root over NICs / NVLink, all buckets
-    buckets = _buckets(tensor_bytes, bucket_bytes)
+    buckets = baseline.buckets(tensor_bytes, bucket_bytes)
     for bucket in buckets:
         size = float(sum(tensor_bytes[i] for i in bucket))
         total += size
@@ -691,7 +677,7 @@ def gather_broadcast_fair_time(stages: Sequence[baseline.Stage], receivers: Sequ
         members = list(dict.fromkeys(peers + list(receivers)))
         hops, hop_lat = broadcast_chain(st.root, members, placement, channels)
         per_byte = traffic_from_pairs([hops], placement, topology).phases[0].bytes[0] if hops else np.zeros((4, G))
-        plans.append((st, root_gpu, _buckets(st.sizes, bucket_bytes), per_byte, hop_lat))
+        plans.append((st, root_gpu, baseline.buckets(st.sizes, bucket_bytes), per_byte, hop_lat))
     R = max([len(p[2]) for p in plans] + [0])
     t_g, t_b, lat_g, lat_b = np.zeros(R), np.zeros(R), np.zeros(R), np.zeros(R)
     acc_g, acc_b = np.zeros((4, G)), np.zeros((4, G))

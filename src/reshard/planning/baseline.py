@@ -30,7 +30,7 @@ cost model's fair variant (:func:`~reshard.modeling.cost.gather_broadcast_fair_t
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -190,5 +190,24 @@ def _sends(source: Layout, destination: Layout, tensors, root_of) -> tuple[list[
     return names, sizes, sends
 
 
-__all__ = ["Stage", "broadcast_members", "default_root", "gather_broadcast_bytes", "gather_layout", "gather_plan",
-           "gather_sends", "stage_groups", "stage_sends"]
+def buckets(tensor_bytes: Sequence[int], bucket_bytes: int | None) -> list[list[int]]:
+    """Consecutive tensors grouped up to ``bucket_bytes`` (a bigger one is a bucket of its own;
+    ``None``: every tensor alone), as a packed broadcast cuts them on both ends.
+
+    >>> buckets([4, 4, 4, 10, 1], 8), buckets([4, 4], None)
+    ([[0, 1], [2], [3], [4]], [[0], [1]])
+    """
+    out: list[list[int]] = []
+    used = 0
+    for i, n in enumerate(tensor_bytes):
+        if out and bucket_bytes is not None and used + n <= bucket_bytes:
+            out[-1].append(i)
+            used += n
+        else:
+            out.append([i])
+            used = n
+    return out
+
+
+__all__ = ["Stage", "broadcast_members", "buckets", "default_root", "gather_broadcast_bytes", "gather_layout",
+           "gather_plan", "gather_sends", "stage_groups", "stage_sends"]

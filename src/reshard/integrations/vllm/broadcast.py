@@ -31,29 +31,12 @@ from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeight
 
 from ...execution.group import Group
 from ...models.arch import named_tensors, parameter_segments
+from ...planning.baseline import buckets
 from .trainer import EngineGroup, as_client, with_pending_call
 
 BACKEND = "gloo_broadcast"
 BROADCAST = "broadcast"  # the worker engine's method name for this path
 DEFAULT_BUCKET_BYTES = 1 << 30  # vLLM's packed broadcast buffer
-
-
-def buckets(sizes: list[int], bucket_bytes: int) -> list[list[int]]:
-    """Consecutive tensors grouped up to ``bucket_bytes`` (a bigger one alone), as both sides cut them.
-
-    >>> buckets([4, 4, 4, 10, 1], 8)
-    [[0, 1], [2], [3], [4]]
-    """
-    out: list[list[int]] = []
-    used = 0
-    for i, n in enumerate(sizes):
-        if out and used + n <= bucket_bytes:
-            out[-1].append(i)
-            used += n
-        else:
-            out.append([i])
-            used = n
-    return out
 
 
 def receive_broadcast(model: torch.nn.Module, group: Group, update, bucket_bytes: int) -> dict[str, int]:
@@ -160,5 +143,5 @@ class BroadcastTrainerWeightTransferEngine(TrainerWeightTransferEngine[Broadcast
         self._pool.shutdown()
 
 
-__all__ = ["BACKEND", "BROADCAST", "BroadcastTrainerInitInfo", "BroadcastTrainerWeightTransferEngine", "buckets",
+__all__ = ["BACKEND", "BROADCAST", "BroadcastTrainerInitInfo", "BroadcastTrainerWeightTransferEngine",
            "full_checkpoint_tensors", "receive_broadcast"]

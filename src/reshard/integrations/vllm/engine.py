@@ -35,6 +35,7 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
 from ...execution.group import Group
 from ...refit.session import AUTO, DEFAULT_BUCKET_BYTES, RefitSession
 from .broadcast import BROADCAST, receive_broadcast
+from .broadcast import DEFAULT_BUCKET_BYTES as BROADCAST_BUCKET_BYTES
 from .model import VLLMModelSide, redo_cpu_moe_packing
 
 
@@ -94,7 +95,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardWeightTransferInit
             with self._last_worker_raises():
                 group = Group.connect(init_info.store_addr, rank, init_info.world_size,
                                       backend=init_info.comm_backend, timeout=timeout, prefix=BROADCAST)
-                self.broadcast = (group, init_info.bucket_bytes or DEFAULT_BUCKET_BYTES)
+                self.broadcast = (group, init_info.bucket_bytes or BROADCAST_BUCKET_BYTES)
             return
         self._close(session=True)
         side, failure = None, None
