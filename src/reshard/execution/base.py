@@ -8,9 +8,11 @@ Call sequence, on every rank of the group (sources, destinations, colocated rank
 
 ``src_buffers`` / ``dst_buffers`` are ``{buffer name: tensor}`` of this rank (empty where the
 rank holds none); destination tensors are written in place. Before any byte moves, every rank
-checks its buffers against the plan and all ranks compare plan fingerprints
+checks its buffers against the plan and all ranks compare plan fingerprints and executor options
 (:func:`agree`): a problem raises :class:`~reshard.tensors.LayoutError` on every rank, naming
-the rank at fault, with no destination tensor touched.
+the rank at fault, with no destination tensor touched. A failure while bytes move raises
+:class:`~reshard.execution.control.RefitError` on every rank (see :mod:`reshard.execution.control`).
+``close()`` releases what an executor holds (subgroups); executors are context managers.
 
 Capability flags (class attributes) say what an executor guarantees:
 
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import ClassVar, Mapping, Sequence
+from typing import TYPE_CHECKING, ClassVar, Mapping, Sequence
 
 import torch
 
@@ -31,6 +33,9 @@ from ..layout import Layout
 from ..tensors import LayoutError
 from .group import Group
 from .packing import Buffers
+
+if TYPE_CHECKING:
+    from ..planning.plan import PhasedPlan
 
 
 @dataclass
@@ -91,6 +96,15 @@ class Executor(ABC):
     def run(self, src_buffers: Buffers, dst_buffers: Buffers) -> RunStats:
         """Move the bytes; ``dst_buffers`` are written in place. Collective over the group."""
 
+    def close(self) -> None:
+        """Release what the executor holds beyond the caller's group (nothing, by default)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 def check_buffers(layout: Layout, rank: int, buffers: Buffers, needed: set[str], side: str) -> str | None:
     """``None`` if ``buffers`` has every buffer in ``needed`` with the layout's shape and dtype, else the problem."""
@@ -105,16 +119,74 @@ def check_buffers(layout: Layout, rank: int, buffers: Buffers, needed: set[str],
     return None
 
 
-def agree(group: Group, fingerprint: str, error: str | None) -> None:
-    """Collective: raise the same LayoutError on every rank if any rank has an error or another plan."""
-    seen = group.all_gather_object((group.rank, fingerprint, error))
-    errors = [e for _, _, e in seen if e]
+def agree(group: Group, fingerprint: str, error: str | None, options: Mapping | None = None) -> None:
+    """Collective, through the group's store: raise the same LayoutError on every rank if any rank has
+    an error, another plan, or other executor ``options``; RefitError naming the ranks that never
+    arrive within the group's timeout."""
+    seen = group.gather("agreement", (group.rank, fingerprint, error, dict(options or {})))
+    errors = [e for _, _, e, _ in seen if e]
     if errors:
         raise LayoutError("; ".join(_grouped(errors)))
-    prints = {fp for _, fp, _ in seen}
+    prints = {fp for _, fp, _, _ in seen}
     if len(prints) > 1:
-        detail = ", ".join(f"rank {r}: {fp}" for r, fp, _ in seen)
-        raise LayoutError(f"ranks disagree on the plan fingerprint ({detail})")
+        detail = ", ".join(f"rank {r}: {fp[:16]}" for r, fp, _, _ in seen)
+        raise LayoutError(f"ranks disagree on the plan fingerprint ({detail}): each built another plan")
+    for key in sorted({k for *_, o in seen for k in o}):
+        values = {repr(o.get(key)) for *_, o in seen}
+        if len(values) > 1:
+            detail = ", ".join(f"rank {r}: {o.get(key)!r}" for r, _, _, o in seen)
+            raise LayoutError(f"ranks disagree on the executor option {key!r} ({detail})")
+
+
+def plan_ranks_problem(plan: "PhasedPlan", size: int, rank: int) -> str | None:
+    """A rank the plan names that the group does not have (it would crash the transport), or None."""
+    for phase in plan.phases:
+        for side, layout in (("source", phase.source), ("destination", phase.destination)):
+            bad = [r for r in layout.ranks if not 0 <= r < size]
+            if bad:
+                return (f"rank {rank}: the plan's {side} layout names rank {bad[0]}, outside this group of {size} "
+                        f"ranks (0..{size - 1})")
+    return None
+
+
+def check_storage(rank: int, read: Buffers, written: Buffers) -> str | None:
+    """Buffers that cannot be written in place, or that share storage where a refit would read or
+    write one byte twice: destination buffers overlapping each other or a source buffer.
+
+    >>> import torch
+    >>> w = torch.zeros(4, 4)
+    >>> check_storage(0, {}, {"a": w[:2], "b": w[1:]})
+    "rank 0: destination buffers 'a' and 'b' share memory; give each tensor its own storage"
+    >>> check_storage(0, {}, {"a": torch.zeros(1).expand(4)})
+    "rank 0: destination buffer 'a' cannot be written in place: an expanded view (stride 0)"
+    """
+    for name, t in written.items():
+        if t.is_meta:
+            return f"rank {rank}: destination buffer {name!r} is a meta tensor (no storage to write into)"
+        if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+            return f"rank {rank}: destination buffer {name!r} cannot be written in place: an expanded view (stride 0)"
+    spans = [(_span(t), "destination", n) for n, t in written.items() if t.numel()] + [
+        (_span(t), "source", n) for n, t in read.items() if t.numel() and not t.is_meta]
+    spans.sort()
+    for i, ((key, lo, hi), side, name) in enumerate(spans):
+        for (key2, lo2, hi2), side2, name2 in spans[i + 1:]:
+            if key2 != key or lo2 >= hi:
+                break
+            if "destination" in (side, side2) and hi > lo and hi2 > lo2:
+                if side == side2:
+                    return (f"rank {rank}: destination buffers {name!r} and {name2!r} share memory; give each tensor "
+                            f"its own storage")
+                src, dst = (name, name2) if side == "source" else (name2, name)
+                return (f"rank {rank}: destination buffer {dst!r} shares memory with source buffer {src!r}; a refit "
+                        f"cannot read and write the same bytes")
+    return None
+
+
+def _span(t: torch.Tensor) -> tuple[str, int, int]:
+    """``(device, first byte, end byte)`` of the memory a non-empty ``t`` can touch."""
+    start = t.data_ptr()
+    extent = sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1
+    return (str(t.device), start, start + extent * t.element_size())
 
 
 def _grouped(errors: list[str]) -> list[str]:
@@ -144,4 +216,5 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-__all__ = ["Executor", "PhaseStats", "RunStats", "agree", "check_buffers", "device_of", "synchronize"]
+__all__ = ["Executor", "PhaseStats", "RunStats", "agree", "check_buffers", "check_storage", "device_of",
+           "plan_ranks_problem", "synchronize"]

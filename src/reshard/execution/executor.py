@@ -25,9 +25,17 @@ joins when a round is posted and which waits for NCCL when a round is waited, so
 puts round ``j``'s transfer beside round ``j+1``'s pack and round ``j-1``'s unpack on the GPU.
 Overlap relies on what phases guarantee: a phase never sends bytes it receives itself.
 
-Before any byte moves, every rank checks its buffers against the plan and all ranks compare
-plan fingerprints (:func:`~reshard.execution.base.agree`). Every wait is bounded by ``timeout``;
-a rank that fails mid-run raises, and its peers' waits time out.
+Before any byte moves, every rank checks its buffers (:meth:`ReshardExecutor.check`: shapes and
+dtypes, buffers that share storage, buffers that cannot be written in place, values a narrowing
+cast would lose) and all ranks compare plan fingerprints and options
+(:func:`~reshard.execution.base.agree`); a problem raises the same ``LayoutError`` on every rank
+with no byte moved. Autograd leaves and inference tensors are written under
+``torch.inference_mode``. Then every wait is bounded by ``timeout`` and watches the group's abort
+signal: a rank that raises, dies or stalls makes every rank raise
+:class:`~reshard.execution.control.RefitError` naming the phase, round and rank(s) at fault, and
+the run ends with one decision for all ranks (:meth:`~reshard.execution.control.Control.decide`).
+With ``checksum=True`` each message carries an xxh3-64 digest of its payload, checked on arrival
+(``benchmarks/bench_checksum.py`` measures the cost).
 """
 
 from __future__ import annotations
@@ -36,14 +44,22 @@ import time
 from datetime import timedelta
 from typing import NamedTuple, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
+import xxhash
 
 from ..planning.plan import PhasedPlan, RankPlan
 from ..planning.schedule import Message
-from .base import Executor, PhaseStats, RunStats, agree, check_buffers, device_of, synchronize
+from ..tensors import LayoutError, cast_problem, narrowing
+from . import faults
+from .base import (Executor, PhaseStats, RunStats, agree, check_buffers, check_storage, device_of, plan_ranks_problem,
+                   synchronize)
+from .control import RefitError
 from .group import DEFAULT_TIMEOUT, Group
 from .packing import Buffers, copy_within, pack, unpack
+
+DIGEST_BYTES = 8
 
 
 class ReshardExecutor(Executor):
@@ -51,20 +67,40 @@ class ReshardExecutor(Executor):
     process group, or ``None`` for the default one; the plan's ranks are the group's) constructs one
     and calls :meth:`run`; ``timeout`` bounds every wait, so a peer that never shows up raises
     instead of hanging. ``overlap`` packs and unpacks neighbouring rounds while a round is on the
-    wire (see module doc); ranks may differ in it, the bytes moved are the same.
+    wire (see module doc); ranks may differ in it, the bytes moved are the same. ``checksum``:
+    every message carries a digest of its payload, checked on arrival. ``allow_lossy``: send values
+    that a narrowing cast (int64 -> int8, fp32 -> fp16) cannot hold instead of refusing them. Ranks
+    must agree on ``checksum`` and ``allow_lossy``.
     """
 
     def __init__(self, plan: PhasedPlan, group: Group | dist.ProcessGroup | None = None, *,
-                 timeout: timedelta = DEFAULT_TIMEOUT, overlap: bool = True) -> None:
+                 timeout: timedelta = DEFAULT_TIMEOUT, overlap: bool = True, checksum: bool = False,
+                 allow_lossy: bool = False) -> None:
         self.plan = plan
         self.group = Group.of(group)
         self.timeout = timeout
         self.overlap = overlap
+        self.checksum = checksum
+        self.allow_lossy = allow_lossy
         self.rank = self.group.rank
-        self.parts: list[RankPlan] = [p.for_rank(self.rank) for p in plan.phases]
+        self.where = "agreement"  # the step a run is in, for errors
+        self.touched = False  # whether the last run reached the point of writing destination buffers
+        self.setup_error = plan_ranks_problem(plan, self.group.size, self.rank)
+        self.parts: list[RankPlan] = [] if self.setup_error else [p.for_rank(self.rank) for p in plan.phases]
+
+    @property
+    def options(self) -> dict:
+        """What every rank must agree on besides the plan."""
+        return {"executor": "reshard", "checksum": self.checksum, "allow_lossy": self.allow_lossy}
 
     def check(self, src: Buffers, dst: Buffers) -> str | None:
-        """The first problem with this rank's buffers for the plan (missing, wrong shape or dtype), or None."""
+        """The first problem with this rank's buffers for the plan, or None: missing, wrong shape or
+        dtype, destination buffers that share storage with each other or with a source buffer,
+        destinations that cannot be written in place (meta tensors, expanded views), and (unless
+        ``allow_lossy``) source values that a narrowing cast to the destination dtype would lose."""
+        if self.setup_error:
+            return self.setup_error
+        written: set[str] = set()
         for i, (phase, part) in enumerate(zip(self.plan.phases, self.parts)):
             need_src = {c.src_buffer for m in part.sends for c in m.copies} | {c.src_buffer for c in part.local}
             need_dst = ({c.dst_buffer for m in part.recvs for c in m.copies} | {c.dst_buffer for c in part.local}
@@ -74,6 +110,26 @@ class ReshardExecutor(Executor):
                      or check_buffers(phase.destination, self.rank, dst, need_dst, "destination"))
             if error:
                 return error
+            written |= {c.dst_buffer for m in part.recvs for c in m.copies} | {c.dst_buffer for c in part.local} | {
+                c.dst_buffer for c in part.fanout}
+        read = {c.src_buffer for m in self.parts[0].sends for c in m.copies} | {
+            c.src_buffer for c in self.parts[0].local} if self.parts else set()
+        return check_storage(self.rank, {n: src[n] for n in sorted(read)}, {n: dst[n] for n in sorted(written)}) or (
+            None if self.allow_lossy else self._cast_problem(src))
+
+    def _cast_problem(self, src: Buffers) -> str | None:
+        """Values of a source buffer that its narrowing cast to a destination dtype would lose."""
+        if not self.parts:
+            return None
+        part = self.parts[0]
+        pairs = {(c.src_buffer, c.dtype) for m in part.sends for c in m.copies} | {
+            (c.src_buffer, c.dtype) for c in part.local}
+        for buffer, dtype in sorted(pairs, key=str):
+            t = src[buffer]
+            if narrowing(t.dtype, dtype):
+                problem = cast_problem(buffer, t, dtype)
+                if problem:
+                    return f"rank {self.rank}: {problem} (ReshardExecutor(allow_lossy=True) sends them anyway)"
         return None
 
     def staging_bytes(self) -> int:
@@ -86,54 +142,104 @@ class ReshardExecutor(Executor):
         sequential bound. To keep a total cap ``C`` with overlap, plan with ``max_bucket_bytes=C // 2``
         (:func:`reshard.execution.methods.method_plan` does: the demo and refit sessions keep ``C``).
         """
-        return max((_Slots.of(part, self.overlap).nbytes for part in self.parts), default=0)
+        extra = DIGEST_BYTES if self.checksum else 0
+        return max((_Slots.of(part, self.overlap, extra).nbytes for part in self.parts), default=0)
 
-    def run(self, src_buffers: Buffers, dst_buffers: Buffers) -> RunStats:
-        """Move the bytes; ``dst_buffers`` are written in place. Collective over the group."""
-        agree(self.group, self.plan.fingerprint(), self.check(src_buffers, dst_buffers))
-        device = device_of(src_buffers, dst_buffers)
-        phases = [self._run_phase(name, part, src_buffers if i == 0 else dst_buffers, dst_buffers, device)
-                  for i, (name, part) in enumerate(zip(self.plan.phase_names, self.parts))]
+    def run(self, src_buffers: Buffers, dst_buffers: Buffers, *, decide: bool = True) -> RunStats:
+        """Move the bytes; ``dst_buffers`` are written in place. Collective over the group.
+
+        Raises ``LayoutError`` on every rank, with no byte moved, for bad buffers or a plan or options
+        that differ between ranks; :class:`~reshard.execution.control.RefitError` on every rank when a
+        rank fails, dies or stalls during the run (destination buffers may then hold a mix of old and
+        new values). ``decide=False`` leaves the final decision to the caller (a refit session, which
+        decides after its own post-processing)."""
+        self.where, self.touched = "agreement", False
+        self.group.check_usable("agreement")
+        error = self.check(src_buffers, dst_buffers)
+        try:
+            faults.hit("agreement")
+            agree(self.group, self.plan.fingerprint(), error, self.options)
+        except RefitError as e:  # a rank never arrived: tell the others at once
+            raise self.group.fail(e.with_traceback(None)) from None
+        except LayoutError:
+            raise
+        except Exception as e:  # noqa: BLE001 - this rank failed before any byte moved
+            raise self.group.fail(RefitError("agreement", f"rank {self.rank}: {type(e).__name__}: {e}",
+                                             ranks=[self.rank])) from None
+        failure = None
+        try:
+            self.touched = True
+            device = device_of(src_buffers, dst_buffers)
+            with torch.inference_mode():  # writes autograd leaves and inference tensors in place
+                phases = [self._run_phase(name, part, src_buffers if i == 0 else dst_buffers, dst_buffers, device)
+                          for i, (name, part) in enumerate(zip(self.plan.phase_names, self.parts))]
+        except RefitError as e:
+            failure = RefitError(e.phase, str(e).partition(": ")[2], ranks=e.ranks)
+        except Exception as e:  # noqa: BLE001 - every rank hears of it
+            failure = RefitError(self.where, f"rank {self.rank}: {type(e).__name__}: {e}", ranks=[self.rank])
+        if failure is not None:
+            # raised outside the except blocks, with no traceback: nothing keeps the round's posted work
+            # (and with it the communicator) alive, so that Group.fail can close the connections
+            raise self.group.fail(failure)
+        if decide:
+            try:
+                self.group.control.decide(None, self.timeout)
+            except RefitError as e:
+                raise self.group.fail(e) from None
         return RunStats.of_phases(self.rank, phases)
 
     def _run_phase(self, name: str, part: RankPlan, src_buffers: Buffers, dst_buffers: Buffers,
                    device: torch.device) -> PhaseStats:
         start = time.perf_counter()
-        slots = _Slots.of(part, self.overlap)
+        slots = _Slots.of(part, self.overlap, DIGEST_BYTES if self.checksum else 0)
         # one staging arena for every round (fresh buffers each round cost page faults / allocator work)
         arena = torch.empty(slots.nbytes, dtype=torch.uint8, device=device)
-        self._rounds(part, src_buffers, dst_buffers, slots, arena)
+        self._rounds(name, part, src_buffers, dst_buffers, slots, arena)
         del arena
+        self.where = f"{name} fan-out"
         copy_within(part.fanout, dst_buffers, dst_buffers, self.rank)
         synchronize(device)
         local = sum(c.nbytes for c in part.local + part.fanout)
         return PhaseStats(name, time.perf_counter() - start, part.send_bytes, part.recv_bytes, local, slots.nbytes,
                           part.num_rounds, len(part.sends))
 
-    def _rounds(self, part: RankPlan, src_buffers: Buffers, dst_buffers: Buffers, slots: _Slots,
+    def _rounds(self, name: str, part: RankPlan, src_buffers: Buffers, dst_buffers: Buffers, slots: _Slots,
                 arena: torch.Tensor) -> None:
         """The local copies and every round of a phase, in the order the module doc shows."""
-        rank, timeout = self.rank, self.timeout
+        rank, checksum = self.rank, self.checksum
 
         def packed(j: int) -> _Round:
+            self.where = f"{name} round {j}"
             sends, recvs = part.round(j)
             out, inc = slots.views(arena, j, sends, recvs)
-            return _Round(sends, recvs, [pack(m, src_buffers, rank, t) for m, t in zip(sends, out)], inc)
+            for m, t in zip(sends, out):
+                pack(m, src_buffers, rank, t[: m.nbytes])
+                if checksum:
+                    t[m.nbytes:] = _digest(t[: m.nbytes])
+            faults.hit(f"{name} round {j}", out[0] if out else None)
+            return _Round(j, sends, recvs, out, inc)
 
         def post(r: _Round) -> list:
+            self.where = f"{name} round {r.index}"
             return self.group.post([(t, m.peer) for m, t in zip(r.sends, r.out)],
                                    [(t, m.peer) for m, t in zip(r.recvs, r.inc)])
 
+        def wait(r: _Round, works: list) -> None:
+            self.group.wait(works, f"{name} round {r.index}", self.timeout)
+
         def unpacked(r: _Round) -> None:
             for m, t in zip(r.recvs, r.inc):
-                unpack(m, t, dst_buffers, rank)
+                if checksum and not torch.equal(t[m.nbytes:], _digest(t[: m.nbytes])):
+                    raise RefitError(f"{name} round {r.index}", f"the message from rank {m.peer} to rank {rank} "
+                                     f"fails its checksum (corrupted in transit)", ranks=[m.peer, rank])
+                unpack(m, t[: m.nbytes], dst_buffers, rank)
 
         n = part.num_rounds
         if not self.overlap or n == 0:
             copy_within(part.local, src_buffers, dst_buffers, rank)
             for j in range(n):
                 r = packed(j)
-                _wait(post(r), timeout)
+                wait(r, post(r))
                 unpacked(r)
             return
         cur = packed(0)
@@ -143,15 +249,22 @@ class ReshardExecutor(Executor):
             nxt = packed(j + 1) if j + 1 < n else None  # while round j is on the wire
             if prev is not None:
                 unpacked(prev)
-            _wait(works, timeout)
+            wait(cur, works)
             prev, cur = cur, nxt
             works = post(cur) if cur is not None else []
         unpacked(prev)
 
 
+def _digest(payload: torch.Tensor) -> torch.Tensor:
+    """xxh3-64 of a uint8 payload, as 8 bytes on its device (CUDA payloads are hashed on the host)."""
+    value = xxhash.xxh3_64_intdigest(payload.cpu().numpy())
+    return torch.from_numpy(np.array([value], dtype=np.uint64).view(np.uint8)).to(payload.device)
+
+
 class _Round(NamedTuple):
     """One round's messages and their staging views (``out`` packed, ``inc`` to receive into)."""
 
+    index: int
     sends: list[Message]
     recvs: list[Message]
     out: list[torch.Tensor]
@@ -162,16 +275,21 @@ class _Slots:
     """Where each round's staging buffers sit in the arena: ``depth`` slots of sends, then
     ``depth`` slots of receives; round ``j`` uses slot ``j % depth``."""
 
-    def __init__(self, send_bytes: int, recv_bytes: int, depth: int) -> None:
-        self.send_bytes, self.recv_bytes, self.depth = send_bytes, recv_bytes, depth
+    def __init__(self, send_bytes: int, recv_bytes: int, depth: int, extra: int = 0) -> None:
+        self.send_bytes, self.recv_bytes, self.depth, self.extra = send_bytes, recv_bytes, depth, extra
         self.nbytes = depth * (send_bytes + recv_bytes)
 
     @classmethod
-    def of(cls, part: RankPlan, overlap: bool) -> _Slots:
+    def of(cls, part: RankPlan, overlap: bool, extra: int = 0) -> _Slots:
+        """Slots for ``part``'s rounds; ``extra`` bytes ride after each message (its digest)."""
         rounds = [part.round(j) for j in range(part.num_rounds)]
+
+        def size(msgs) -> int:
+            return sum(m.nbytes + extra for m in msgs)
+
         if not overlap or len(rounds) < 2:  # one slot for both: the largest round
-            return cls(max((sum(m.nbytes for m in s + r) for s, r in rounds), default=0), 0, 1)
-        return cls(max(sum(m.nbytes for m in s) for s, _ in rounds), max(sum(m.nbytes for m in r) for _, r in rounds), 2)
+            return cls(max((size(s + r) for s, r in rounds), default=0), 0, 1, extra)
+        return cls(max(size(s) for s, _ in rounds), max(size(r) for _, r in rounds), 2, extra)
 
     def views(self, arena: torch.Tensor, j: int, sends: Sequence[Message], recvs: Sequence[Message]
               ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -179,23 +297,18 @@ class _Slots:
         pos = slot * self.send_bytes
         out = []
         for m in sends:
-            out.append(arena[pos: pos + m.nbytes])
-            pos += m.nbytes
+            out.append(arena[pos: pos + m.nbytes + self.extra])
+            pos += m.nbytes + self.extra
         if self.recv_bytes:
             pos = self.depth * self.send_bytes + slot * self.recv_bytes
         inc = []
         for m in recvs:
-            inc.append(arena[pos: pos + m.nbytes])
-            pos += m.nbytes
+            inc.append(arena[pos: pos + m.nbytes + self.extra])
+            pos += m.nbytes + self.extra
         return out, inc
 
 
-def _wait(works: list, timeout: timedelta) -> None:
-    for w in works:
-        w.wait(timeout)
-
-
 def execute(plan: PhasedPlan, src_buffers: Buffers, dst_buffers: Buffers, group: Group | dist.ProcessGroup | None = None, *,
-            timeout: timedelta = DEFAULT_TIMEOUT, overlap: bool = True) -> RunStats:
-    """One-shot :class:`ReshardExecutor` run (collective over ``group``)."""
-    return ReshardExecutor(plan, group, timeout=timeout, overlap=overlap).run(src_buffers, dst_buffers)
+            timeout: timedelta = DEFAULT_TIMEOUT, **options) -> RunStats:
+    """One-shot :class:`ReshardExecutor` run (collective over ``group``; ``options`` as the executor's)."""
+    return ReshardExecutor(plan, group, timeout=timeout, **options).run(src_buffers, dst_buffers)

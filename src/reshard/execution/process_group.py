@@ -82,20 +82,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, fn: Callable, world_size: int, addr: str, backend: str | None, args: tuple) -> None:
+def _entry(rank: int, fn: Callable, world_size: int, addr: str, backend: str | None, timeout: timedelta,
+           args: tuple) -> None:
     torch.set_num_threads(1)
-    init_process_group(rank, world_size, store_addr=addr, backend=backend)
+    init_process_group(rank, world_size, store_addr=addr, backend=backend, timeout=timeout)
     try:
         fn(rank, world_size, *args)
     finally:
         dist.destroy_process_group()
 
 
-def spawn(fn: Callable, world_size: int, *args, backend: str | None = None) -> None:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` local processes joined in one group.
+def spawn(fn: Callable, world_size: int, *args, backend: str | None = None,
+          timeout: timedelta = timedelta(minutes=5)) -> None:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` local processes joined in one group
+    (``timeout`` bounds the waits of torch's own collectives on it; executors and sessions take theirs).
 
     ``fn`` must be importable (a module-level function). Raises if any process fails.
     """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"spawn: world_size must be a positive int, got {world_size!r}")
     addr = f"127.0.0.1:{free_port()}"
-    mp.start_processes(_entry, args=(fn, world_size, addr, backend, args), nprocs=world_size, join=True,
+    mp.start_processes(_entry, args=(fn, world_size, addr, backend, timeout, args), nprocs=world_size, join=True,
                        start_method="spawn")

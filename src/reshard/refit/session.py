@@ -14,40 +14,59 @@ with both sides)::
     stats = s.refit(version=4)  # the same plan, replayed
     s.close()
 
-A refit either commits its version on every rank or raises :class:`RefitError` on every rank
-(every wait is bounded by ``timeout``). Destination state: ``"ready"`` at ``version`` after a
-commit, ``"updating"`` during a refit, ``"poisoned"`` after a failed one (its buffers may hold a
-mix of versions; the engine must not serve them).
+A refit either commits its version on every rank or raises :class:`RefitError` on every rank,
+naming the phase and the rank(s) at fault, within ``timeout`` of the failure (one timeout bounds
+every wait: check-in, agreement, each round, the commit decision). A rank that raises, dies,
+stalls or never shows up is detected (:mod:`reshard.execution.control`). Destination states::
+
+    state      meaning                                        after
+    ready      holds every byte of ``version``                connect (version None), a commit
+    updating   a refit is writing                             refit() started
+    poisoned   may hold a mix of versions: must not serve     a refit failed after bytes moved
+    empty      never received a version                       join() (a new member)
+
+A failure before any destination byte moved (bad buffers, a plan that differs) leaves every
+destination ready at its version and the session usable. After a failure while bytes moved the
+group is broken; the survivors go on without restarting::
+
+    except RefitError as e:
+        s = s.recover()        # every survivor: new group on the same store, the ranks that did not
+                               # come back dropped, re-planned for the new membership
+        s.refit(version=5)     # destinations go back to ready
+
+Membership also changes between refits: a new process calls :meth:`RefitSession.join` and the
+members call :meth:`RefitSession.resize`; the newcomer then takes the current version with
+:meth:`RefitSession.catch_up` (from the trainer, or from engines that hold it), while the other
+engines only lend bytes.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import time
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Mapping
 
 import torch.distributed as dist
 
+from ..execution import faults
 from ..execution.base import RunStats, agree
+from ..execution.control import RefitError
 from ..execution.executor import ReshardExecutor
 from ..execution.group import DEFAULT_TIMEOUT, Group
 from ..execution.methods import HIERARCHICAL, RESHARD, method_plan
 from ..layout import Layout
-from ..planning.plan import PhasedPlan
+from ..planning.plan import Plan, PhasedPlan
 from ..tensors import LayoutError
 from .sides import Side, WriteReport
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 AUTO = "auto"
-READY, UPDATING, POISONED = "ready", "updating", "poisoned"
-
-
-class RefitError(RuntimeError):
-    """A refit (or connecting a session) failed; raised on every rank, naming the phase and, where
-    known, the rank(s) and tensor at fault."""
+READY, UPDATING, POISONED, EMPTY = "ready", "updating", "poisoned", "empty"
 
 
 @dataclass
@@ -71,97 +90,332 @@ class RefitSession:
     def __init__(self, group: Group, *, source: Side | None = None, destination: Side | None = None,
                  method: str = AUTO, domains: Mapping[int, int] | None = None,
                  max_bucket_bytes: int | None = DEFAULT_BUCKET_BYTES, timeout: timedelta = DEFAULT_TIMEOUT,
-                 failure: str | None = None) -> None:
+                 failure: str | None = None, checksum: bool = False, allow_lossy: bool = False,
+                 generation: int = 0, member: str | None = None, version: object = None,
+                 state: str = READY) -> None:
         self.group = group
         self.rank = group.rank
         self.source, self.destination = source, destination
         self.timeout = timeout
-        self.version: object = None
-        self.state = READY
+        self.options = dict(method=method, domains=domains, max_bucket_bytes=max_bucket_bytes, checksum=checksum,
+                            allow_lossy=allow_lossy)
+        self.generation = generation
+        self.member = member or f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
+        self.version: object = version
+        self.state = state if destination is not None else READY
+        self.failure: RefitError | None = None
         for side, what in ((source, "source"), (destination, "destination")):
             if side is not None and side.rank != self.rank:
-                raise RefitError(f"rank {self.rank}: its {what} side was built for rank {side.rank}")
+                raise RefitError("connect", f"rank {self.rank}: its {what} side was built for rank {side.rank}",
+                                 ranks=[self.rank])
         t0 = time.perf_counter()
-        parts = group.all_gather_object((self.rank, _part(source), _part(destination), failure), timeout)
-        failed = [f"rank {r}: {f}" for r, _, _, f in parts if f]
+        faults.hit("connect")
+        me = (self.rank, _part(source), _part(destination), failure, self.version, self.state)
+        parts = group.all_gather_object(me, timeout, what="connect")
+        failed = [f"rank {r}: {f}" for r, _, _, f, _, _ in parts if f]
         if failed:  # a rank could not build its side: every rank stops here, with its reason
-            raise RefitError("connect: " + "; ".join(failed))
+            raise RefitError("connect", "; ".join(failed), ranks=[r for r, *_, f, _, _ in parts if f])
+        self.members = {r: (v, st, d is not None) for r, _, d, _, v, st in parts}
         error = None
         try:
-            src = _merge([s for _, s, _, _ in parts], "source")
-            dst = _merge([d for _, _, d, _ in parts], "destination")
+            self.source_layout = _merge([p for _, p, *_ in parts], "source")
+            self.destination_layout = _merge([d for _, _, d, *_ in parts], "destination")
             if domains is None and method == AUTO:
                 domains = detect_domains(group)
             self.method = (HIERARCHICAL if domains else RESHARD) if method == AUTO else method
-            self.plan: PhasedPlan = method_plan(self.method, src, dst, max_bucket_bytes=max_bucket_bytes,
-                                                domains=domains)
-            self.executor = ReshardExecutor(self.plan, group, timeout=timeout)
-            error = self.executor.check(source.read() if source else {},
-                                        destination.begin_write() if destination else {})
+            self.plan: PhasedPlan = method_plan(self.method, self.source_layout, self.destination_layout,
+                                                max_bucket_bytes=max_bucket_bytes, domains=domains)
+            self.executor = ReshardExecutor(self.plan, group, timeout=timeout, checksum=checksum,
+                                            allow_lossy=allow_lossy)
+            error = self.executor.setup_error or self.executor.check(
+                source.read() if source else {}, destination.begin_write() if destination else {})
             if destination is not None:
                 destination.abort_write()
         except (LayoutError, ValueError) as e:
             error = f"rank {self.rank}: {e}"
         fingerprint = self.plan.fingerprint() if error is None else "-"
         try:
-            agree(group, fingerprint, error)
+            agree(group, fingerprint, error, self.executor.options if error is None else {})
         except LayoutError as e:
-            raise RefitError(f"connect: {e}") from None
+            raise RefitError("connect", str(e)) from None
         self.connect_s = time.perf_counter() - t0
 
     @classmethod
     def connect(cls, *, source: Side | None = None, destination: Side | None = None,
                 group: Group | dist.ProcessGroup | None = None, store_addr: str | None = None,
                 rank: int | None = None, world_size: int | None = None, backend: str | None = None,
-                timeout: timedelta = DEFAULT_TIMEOUT, **options) -> "RefitSession":
+                timeout: timedelta = DEFAULT_TIMEOUT, host_store: bool | None = None, **options) -> "RefitSession":
         """Rendezvous and build the session. The group is ``group`` if given; else a standalone group
         over the TCP store at ``store_addr`` (``"host:port"``, hosted by rank 0) with explicit ``rank``
-        and ``world_size``; else torch's default group (``env://`` as torchrun sets it, or
-        ``rs.init_process_group``). ``options``: ``method`` (``"auto"``, ``"reshard"``,
-        ``"hierarchical"``), ``domains`` (``{rank: NVLink domain}``), ``max_bucket_bytes``, ``failure``
-        (why this rank has no side to offer: every rank raises it at once instead of waiting)."""
+        and ``world_size`` (``host_store``: whether this rank hosts the store; default rank 0; ``False``
+        on every rank when the job's driver hosts it, so that the store outlives any rank); else torch's
+        default group (``env://`` as torchrun sets it, or ``rs.init_process_group``). Only a standalone
+        group can be recovered after a failure.
+        ``options``: ``method`` (``"auto"``, ``"reshard"``, ``"hierarchical"``), ``domains``
+        (``{rank: NVLink domain}``), ``max_bucket_bytes``, ``checksum`` (a digest per message),
+        ``allow_lossy`` (send values a narrowing cast loses), ``failure`` (why this rank has no side to
+        offer: every rank raises it at once instead of waiting), ``member`` (this process's name in
+        membership changes)."""
         if group is not None:
             g = Group.of(group)
         elif store_addr is not None:
             if rank is None or world_size is None:
-                raise RefitError("connect: store_addr needs rank and world_size")
-            g = Group.connect(store_addr, rank, world_size, backend=backend, timeout=timeout)
+                raise RefitError("connect", "store_addr needs rank and world_size")
+            try:
+                g = Group.connect(store_addr, rank, world_size, backend=backend, timeout=timeout, prefix="reshard/g0",
+                                  host_store=host_store)
+            except RefitError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the transport's own setup failed (a peer vanished)
+                raise RefitError("connect", f"rank {rank}: {type(e).__name__}: {str(e).splitlines()[0][:300]}",
+                                 ranks=[rank]) from None
         else:
             g = Group()
         try:
             return cls(g, source=source, destination=destination, timeout=timeout, **options)
-        except BaseException:
+        except RefitError as e:
             if g is not group:
+                g.fail(e.with_traceback(None))
                 g.close()
             raise
+        except Exception as e:  # noqa: BLE001 - this rank failed while connecting: every rank hears of it
+            error = RefitError("connect", f"rank {g.rank}: {type(e).__name__}: {e}", ranks=[g.rank])
+            if g is not group:
+                g.fail(error)
+                g.close()
+            raise error from None
 
+    # ------------------------------------------------------------------ refits
     def refit(self, version: object = None) -> RefitStats:
         """Move this step's weights: sources send, destinations receive, every rank commits ``version``.
-        Collective over the group; raises :class:`RefitError` on every rank if any rank fails."""
+        Collective over the group; raises :class:`RefitError` on every rank if any rank fails (see
+        module doc for the destination's state afterwards)."""
+        return self._transfer(self.executor, self.source.read() if self.source else {},
+                              self.destination, version, f"refit to version {version!r}")
+
+    def _transfer(self, executor: ReshardExecutor, src: dict, destination: Side | None, version: object,
+                  what: str) -> RefitStats:
+        """Run ``executor`` from ``src`` into ``destination`` (None: this rank receives nothing), then
+        decide together; commit ``version`` where bytes arrived."""
         t0 = time.perf_counter()
-        self.state = UPDATING
+        self.group.check_usable(what)
+        before = self.state
+        if destination is not None:
+            self.state = UPDATING
         report, error, run = WriteReport(), None, None
         try:
-            src = self.source.read() if self.source else {}
-            dst = self.destination.begin_write() if self.destination else {}
-            run = self.executor.run(src, dst)
-            if self.destination is not None:
-                report = self.destination.end_write()
-        except Exception as e:  # noqa: BLE001 - reported to every rank below
-            error = f"rank {self.rank}: {type(e).__name__}: {e}"
-        outcomes = self.group.all_gather_object((self.rank, error), self.timeout)
-        failed = [e for _, e in outcomes if e]
-        if failed:
-            self.state = POISONED
-            raise RefitError(f"refit to version {version!r} failed: " + "; ".join(failed))
-        self.version, self.state = version, READY
+            dst = destination.begin_write() if destination else {}
+            run = executor.run(src, dst, decide=False)
+            faults.hit("commit")
+            if destination is not None:
+                report = destination.end_write()
+        except LayoutError as e:  # found before any byte moved, the same on every rank
+            if destination is not None:
+                destination.abort_write()
+            self.state = before
+            raise RefitError("agreement", f"{what}: {e}") from None
+        except RefitError as e:
+            error = e
+        except Exception as e:  # noqa: BLE001 - the decision below reports it to every rank
+            error = RefitError(executor.where if run is None else "commit",
+                               f"rank {self.rank}: {type(e).__name__}: {e}", ranks=[self.rank])
+        try:
+            self.group.control.decide(error, self.timeout)
+        except RefitError as e:
+            self.failure = self.group.fail(e)
+            if destination is not None:
+                destination.abort_write()
+                self.state = POISONED if executor.touched or before == POISONED else before
+            raise RefitError(e.phase, f"{what} failed: {str(e).partition(': ')[2]}", ranks=e.ranks) from None
+        except Exception as e:  # the store itself is gone (its host died)
+            self.failure = self.group.fail(RefitError("commit", f"the control store is gone: {e}", ranks=[0]))
+            if destination is not None:
+                self.state = POISONED if executor.touched or before == POISONED else before
+            raise self.failure from None
+        if destination is not None:
+            self.version, self.state = version, READY
+        elif self.destination is None:
+            self.version = version
         return RefitStats(self.rank, version, time.perf_counter() - t0, run.sent_bytes, run.recv_bytes,
                           run.peak_staging_bytes + report.staging_bytes, report.in_place_bytes,
                           report.reprocessed_bytes, run)
 
+    # ------------------------------------------------------------------ membership
+    def recover(self, *, timeout: timedelta | None = None) -> "RefitSession":
+        """After a failure (or to change membership between refits: :meth:`resize`): every surviving
+        member calls it; returns a new session over a new group on the same store, without the
+        members that did not come back within ``timeout`` (default: the session's) and with the
+        processes waiting in :meth:`join`. Ranks are renumbered in the old order, joiners last; the
+        plan is made anew. The store must have survived: its host is rank 0 unless the session was
+        connected with ``host_store=False`` to a store another process (the job's driver) hosts."""
+        return self._regroup("recovery", timeout)
+
+    def resize(self, *, timeout: timedelta | None = None) -> "RefitSession":
+        """Admit the processes waiting in :meth:`join` (collective over the members, between refits)."""
+        return self._regroup("resize", timeout)
+
+    def _regroup(self, what: str, timeout: timedelta | None) -> "RefitSession":
+        if self.group.tcp_store is None:
+            raise RefitError(what, "only a session over a standalone group (connect(store_addr=...)) can change "
+                                   "membership; torch's own groups belong to their owner")
+        timeout = timeout or self.timeout
+        store, gen = self.group.tcp_store, self.generation + 1
+        at_fault = set(self.failure.ranks) if self.failure else set()
+        try:
+            faults.hit(what)
+            roster = _roster(store, gen, self.rank, self.member, self.group.size, at_fault, timeout, what)
+        except RefitError:
+            raise
+        except Exception as e:  # this rank fails its part: the others go on without it
+            raise RefitError(what, f"rank {self.rank}: {type(e).__name__}: {e}", ranks=[self.rank]) from e
+        if self.member not in roster:
+            raise RefitError(what, f"rank {self.rank} ({self.member}) came back too late and was left out",
+                             ranks=[self.rank])
+        self.group.close()
+        return self._join_generation(store, gen, roster, timeout)
+
+    def _join_generation(self, store, gen: int, roster: list[str], timeout: timedelta) -> "RefitSession":
+        new_rank = roster.index(self.member)
+        g = Group.connect(self.group.store_addr, new_rank, len(roster), backend=self.group.backend,
+                          timeout=timeout, prefix=f"reshard/g{gen}", store=store)
+        source = _renumbered(self.source, new_rank)
+        destination = _renumbered(self.destination, new_rank)
+        try:
+            return RefitSession(g, source=source, destination=destination, timeout=self.timeout, generation=gen,
+                                member=self.member, version=self.version, state=self.state, **self.options)
+        except BaseException:
+            g.close()
+            raise
+
+    @classmethod
+    def join(cls, store_addr: str, *, source: Side | None = None, destination: Side | None = None,
+             backend: str | None = None, timeout: timedelta = DEFAULT_TIMEOUT, member: str | None = None,
+             **options) -> "RefitSession":
+        """A new process joins a running session (store at ``store_addr``): it waits, at most ``timeout``,
+        until the members call :meth:`resize` (or :meth:`recover`), then returns its session. Its sides
+        are built for rank 0 and renumbered; its destination state is ``"empty"`` until
+        :meth:`catch_up` or a refit."""
+        host, _, port = store_addr.rpartition(":")
+        try:
+            store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout, wait_for_workers=False)
+        except (RuntimeError, ValueError) as e:
+            raise RefitError("join", f"no session store at {store_addr}: {str(e).splitlines()[0][:200]}") from None
+        member = member or f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
+        index = store.add("members/joiners", 1)
+        store.set(f"members/joiner/{index}", member)
+        deadline = time.monotonic() + timeout.total_seconds()
+        while True:
+            gen = int(store.add("members/generation", 0))
+            if gen and member in pickle.loads(store.get(f"members/g{gen}/roster")):
+                break
+            if time.monotonic() > deadline:
+                raise RefitError("join", f"{member} was not admitted within {timeout.total_seconds():g} s (no member "
+                                         f"called resize() or recover())")
+            time.sleep(0.01)
+        roster = pickle.loads(store.get(f"members/g{gen}/roster"))
+        new_rank = roster.index(member)
+        g = Group.connect(store_addr, new_rank, len(roster), backend=backend, timeout=timeout,
+                          prefix=f"reshard/g{gen}", store=store)
+        try:
+            return cls(g, source=_renumbered(source, new_rank), destination=_renumbered(destination, new_rank),
+                       timeout=timeout, generation=gen, member=member, state=EMPTY, **options)
+        except BaseException:
+            g.close()
+            raise
+
+    def catch_up(self, *, source: str = AUTO, version: object = None) -> RefitStats | None:
+        """Bring members whose destination is not ready at the session's version (newcomers, poisoned
+        ones) to it, collective over the group; the others keep serving (engines that lend bytes only
+        read their weights). ``source``: ``"engines"`` (members that hold the version: exactly the
+        bytes of that version, and the trainer keeps training), ``"trainer"`` (the trainer's current
+        weights, committed as ``version``, default the session's), or ``"auto"`` (engines when those
+        that hold the version cover every box needed). Returns None when nobody needed it."""
+        version = self._current_version() if version is None else version
+        behind = sorted(r for r, (v, st, has_dst) in self.members.items()
+                        if has_dst and (st != READY or v != version))
+        if not behind:
+            return None
+        donors = sorted(r for r, (v, st, has_dst) in self.members.items()
+                        if has_dst and st == READY and v == version and r not in behind)
+        need = self.destination_layout.subset(behind)
+        plan = None
+        if source in (AUTO, "engines") and donors:
+            try:
+                plan = Plan(self.destination_layout.subset(donors), need,
+                            max_bucket_bytes=self.options["max_bucket_bytes"])
+            except (LayoutError, ValueError):
+                if source == "engines":
+                    raise RefitError("catch-up", f"the engines at version {version!r} (ranks {donors}) do not "
+                                                 f"hold every box ranks {behind} need") from None
+        if plan is None:
+            if source == "engines":
+                raise RefitError("catch-up", f"no engine holds version {version!r}")
+            plan = Plan(self.source_layout, need, max_bucket_bytes=self.options["max_bucket_bytes"])
+        from_engines = plan.source is not self.source_layout
+        executor = ReshardExecutor(plan, self.group, timeout=self.timeout, checksum=self.options["checksum"],
+                                   allow_lossy=self.options["allow_lossy"])
+        if from_engines:
+            src = self.destination.read() if self.rank in donors else {}
+        else:
+            src = self.source.read() if self.source else {}
+        stats = self._transfer(executor, src, self.destination if self.rank in behind else None, version,
+                               f"catch-up to version {version!r}")
+        for r in behind:
+            self.members[r] = (version, READY, True)
+        self.version = version
+        return stats
+
+    def _current_version(self) -> object:
+        versions = [v for r, (v, st, has_dst) in sorted(self.members.items()) if has_dst and st == READY and v is not None]
+        return versions[0] if versions else self.version
+
     def close(self) -> None:
         """Release the session's group (a standalone one; torch's groups belong to their owner)."""
         self.group.close()
+
+
+def _roster(store, gen: int, rank: int, member: str, size: int, at_fault: set[int], timeout: timedelta,
+            what: str) -> list[str]:
+    """The members of generation ``gen``: the first member to come back leads (``compare_set`` on the
+    store); it waits for the others (those at fault in the failure get a short grace, the rest
+    ``timeout``) and publishes the old members that came back, in old rank order, then the
+    processes waiting in :meth:`RefitSession.join`. Every member reads the same list."""
+    prefix = f"members/g{gen}"
+    store.set(f"{prefix}/back/{rank}", member)
+    if int(store.compare_set(f"{prefix}/leader", "", str(rank)).decode()) == rank:
+        start = time.monotonic()
+        limit = timeout.total_seconds()
+        grace = min(limit / 4, 1.0)
+        while True:
+            back = [r for r in range(size) if store.check([f"{prefix}/back/{r}"])]
+            waiting = [r for r in range(size) if r not in back and (
+                time.monotonic() - start < (grace if r in at_fault else limit))]
+            if not waiting:
+                break
+            time.sleep(0.005)
+        members = [store.get(f"{prefix}/back/{r}").decode() for r in back]
+        admitted = int(store.add("members/admitted", 0))
+        joiners = int(store.add("members/joiners", 0))
+        members += [store.get(f"members/joiner/{i}").decode() for i in range(admitted + 1, joiners + 1)]
+        store.add("members/admitted", joiners - admitted)
+        store.set(f"{prefix}/roster", pickle.dumps(members))
+        store.add("members/generation", gen - int(store.add("members/generation", 0)))
+        return members
+    deadline = time.monotonic() + 2 * timeout.total_seconds()
+    while not store.check([f"{prefix}/roster"]):
+        if time.monotonic() > deadline:
+            leader = store.get(f"{prefix}/leader").decode()
+            raise RefitError(what, f"rank {leader}, which leads the {what}, published no membership within "
+                                   f"{2 * timeout.total_seconds():g} s", ranks=[int(leader)])
+        time.sleep(0.005)
+    return pickle.loads(store.get(f"{prefix}/roster"))
+
+
+def _renumbered(side: Side | None, rank: int) -> Side | None:
+    """``side`` moved to ``rank`` (the same tensors; only the rank its pieces are filed under)."""
+    if side is None or side.rank == rank:
+        return side
+    return side.renumbered(rank)
 
 
 def _part(side: Side | None) -> Layout | None:
@@ -185,5 +439,5 @@ def detect_domains(group: Group) -> dict[int, int] | None:
     return {r: index[h] for r, h in enumerate(hosts)} if len(index) > 1 else None
 
 
-__all__ = ["AUTO", "DEFAULT_BUCKET_BYTES", "POISONED", "READY", "RefitError", "RefitSession", "RefitStats",
+__all__ = ["AUTO", "DEFAULT_BUCKET_BYTES", "EMPTY", "POISONED", "READY", "RefitError", "RefitSession", "RefitStats",
            "UPDATING", "detect_domains"]

@@ -28,6 +28,7 @@ written in place and how many went through that path.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
@@ -132,6 +133,14 @@ class Side:
                 raise LayoutError(f"rank {rank}: Megatron parameter {name!r} is {tuple(t.shape)}, the layout says "
                                   f"{shape} (another model config or parallel setup?)")
         return cls(rank, layout.subset([rank]), {n: tensors[n].detach() for n in layout.buffers(rank)})
+
+    def renumbered(self, rank: int) -> "Side":
+        """The same tensors filed under another rank (a member renumbered by a membership change)."""
+        pieces = [p._replace(rank=rank) for p in self.layout.pieces(self.rank)]
+        layout = Layout.from_pieces(self.layout.specs.values(), pieces, {rank: self.layout.buffers(self.rank)})
+        side = copy.copy(self)
+        side.rank, side.layout = rank, layout
+        return side
 
     # ------------------------------------------------------------------ one refit
     def read(self) -> dict[str, torch.Tensor]:

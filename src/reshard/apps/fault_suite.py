@@ -1,0 +1,354 @@
+"""Fault injection over real processes: does every failure reach every rank, and is no torn model served?
+
+Each scenario is a refit between two random small layouts (M source ranks -> N destination ranks,
+1-3 tensors, shards and replicas, several rounds) over a standalone gloo group whose TCP store
+the driver hosts, with one fault (:mod:`reshard.execution.faults`) at one rank and one point:
+connect, agreement, a round, commit, or the recovery that follows another failure. Every rank:
+
+    1. connects with its destination at version 0, refits to version 1
+    2. on RefitError: checks that its destination is poisoned or still holds version 0 exactly,
+       then recovers (new group without the ranks that did not come back) and refits to version 2
+    3. checks every committed destination against the expected values, byte for byte
+
+The driver runs the ranks as persistent worker processes (a killed one is replaced), bounds each
+scenario, and counts: hangs (a live rank that never reported), silent corruptions (a committed
+destination whose bytes are wrong), torn models reported as committed, time to detection
+(fault -> the last live rank raising), time to recover (detection -> the next refit committed).
+
+    python benchmarks/bench_faults.py --scenarios 200
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import random
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..execution import faults
+from ..execution.control import RefitError
+from ..execution.process_group import free_port
+from ..layout import Layout
+from ..placements import Replicate, Shard
+from ..refit.session import POISONED, READY, RefitSession
+from ..refit.sides import Side
+from ..tensors import TensorSpec, box_slices, buffer_view
+
+POINTS = ("connect", "agreement", "round", "commit", "recovery")
+KINDS = faults.KINDS
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One refit with one fault (``fault`` like ``"kill@transfer round 1"``, at ``fault_rank``)."""
+
+    index: int
+    seed: int
+    sources: int
+    destinations: int
+    fault: str | None
+    fault_rank: int
+    checksum: bool
+    timeout_s: float
+    bucket_bytes: int
+    first_fault_rank: int | None = None  # a "recovery" scenario: this rank raises first, to start a recovery
+
+    @property
+    def world(self) -> int:
+        return self.sources + self.destinations
+
+    def describe(self) -> str:
+        first = f" after raise@transfer round 0 on rank {self.first_fault_rank}" if self.first_fault_rank is not None \
+            else ""
+        return (f"#{self.index} {self.sources}->{self.destinations} {self.fault or 'no fault'} on rank "
+                f"{self.fault_rank}{first}{' checksum' if self.checksum else ''}")
+
+
+def random_scenario(index: int, rng: random.Random, timeout_s: float = 2.0) -> Scenario:
+    """A random scenario: 1-2 sources, 1-3 destinations, a random fault kind, rank and point."""
+    sources, destinations = rng.randint(1, 2), rng.randint(1, 3)
+    world = sources + destinations
+    kind, point = rng.choice(KINDS), rng.choice(POINTS)
+    if kind == "corrupt":
+        point = "round"  # a corrupted byte is in a message
+    where = f"transfer round {rng.randint(0, 2)}" if point == "round" else point
+    fault_rank = rng.randrange(world) if kind != "corrupt" else rng.randrange(sources)
+    first = None
+    if point == "recovery":
+        first = rng.choice([r for r in range(world) if r != fault_rank])
+    return Scenario(index, rng.randrange(1 << 30), sources, destinations, f"{kind}@{where}", fault_rank,
+                    checksum=kind == "corrupt" or rng.random() < 0.5, timeout_s=timeout_s,
+                    bucket_bytes=rng.choice([512, 2048, 1 << 20]), first_fault_rank=first)
+
+
+# ---------------------------------------------------------------------------- layouts and values
+def scenario_layouts(s: Scenario) -> tuple[Layout, Layout]:
+    """Random small source and destination layouts of 1-3 tensors (float32)."""
+    rng = random.Random(s.seed)
+    src_ranks = list(range(s.sources))
+    dst_ranks = list(range(s.sources, s.world))
+    replicated = rng.random() < 0.5  # every source holds everything: losing one source is survivable
+    src, dst = [], []
+    for i in range(rng.randint(1, 3)):
+        spec = TensorSpec(f"t{i}", (rng.randint(4, 40), rng.randint(4, 24)), torch.float32)
+        src.append(Layout.from_placements(spec, src_ranks, (len(src_ranks),),
+                                          [Replicate() if replicated else _placement(rng)]))
+        dst.append(Layout.from_placements(spec, dst_ranks, (len(dst_ranks),), [_placement(rng)]))
+    return Layout.merge(src), Layout.merge(dst)
+
+
+def _placement(rng: random.Random):
+    return rng.choice([Shard(0), Shard(1), Replicate()])
+
+
+def full_value(spec: TensorSpec, version: int) -> torch.Tensor:
+    """Version ``version`` of a tensor: distinct, exactly representable values."""
+    n = int(np.prod(spec.shape))
+    salt = sum(map(ord, spec.name)) % 97
+    return (torch.arange(n, dtype=torch.float32) % 509 + 1000 * version + salt).view(spec.shape)
+
+
+def rank_buffers(layout: Layout, rank: int, version: int) -> dict[str, torch.Tensor]:
+    """``rank``'s buffers of ``layout`` holding ``version``."""
+    out = {b: torch.zeros(shape, dtype=dtype) for b, (shape, dtype) in layout.buffers(rank).items()}
+    for p in layout.pieces(rank):
+        buffer_view(out[p.buffer], p.buffer_offsets, p.sizes).copy_(
+            full_value(layout.specs[p.tensor], version)[box_slices(p.offsets, p.sizes)])
+    return out
+
+
+def holds_version(layout: Layout, rank: int, buffers: dict[str, torch.Tensor], version: int) -> bool:
+    """Whether every piece of ``rank`` holds ``version`` exactly."""
+    return all(torch.equal(buffer_view(buffers[p.buffer], p.buffer_offsets, p.sizes),
+                           full_value(layout.specs[p.tensor], version)[box_slices(p.offsets, p.sizes)])
+               for p in layout.pieces(rank))
+
+
+# ---------------------------------------------------------------------------- one rank
+def run_rank(s: Scenario, rank: int, store_addr: str) -> dict:
+    """Play ``rank``'s part of scenario ``s``; returns what happened (see module doc)."""
+    host, _, port = store_addr.rpartition(":")
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30), wait_for_workers=False)
+    out = {"rank": rank, "events": [], "fault_fired": False, "silent": 0, "torn": 0}
+
+    def fired(point: str) -> None:
+        store.set(f"fault/{rank}", repr(time.time()))
+
+    fault = s.fault if rank == s.fault_rank else None
+    if s.first_fault_rank == rank:
+        fault = "raise@transfer round 0"
+    faults.arm(fault, on_fire=fired)
+    os.environ["RESHARD_FAULT_STALL_S"] = str(6 * s.timeout_s + 10)
+    src_layout, dst_layout = scenario_layouts(s)
+    timeout = timedelta(seconds=s.timeout_s)
+    source = Side.from_layout(src_layout, rank, rank_buffers(src_layout, rank, 1)) if rank < s.sources else None
+    dst_buffers = rank_buffers(dst_layout, rank, 0) if rank >= s.sources else {}
+    destination = Side.from_layout(dst_layout, rank, dst_buffers) if dst_buffers else None
+    session = None
+    try:
+        session = RefitSession.connect(source=source, destination=destination, store_addr=store_addr, rank=rank,
+                                       world_size=s.world, timeout=timeout, host_store=False, method="reshard",
+                                       checksum=s.checksum, max_bucket_bytes=s.bucket_bytes, version=0,
+                                       member=f"rank{rank}")
+        session.refit(1)
+        out["events"].append(("committed", 1, time.time()))
+        _check(out, dst_layout, rank, dst_buffers, 1, destination)
+        return out
+    except RefitError as e:
+        out["events"].append(("error", e.phase, list(e.ranks), str(e)[:300], time.time()))
+        if destination is not None and session is not None:
+            state_ok = session.state == POISONED or (
+                session.state == READY and holds_version(dst_layout, rank, dst_buffers, session.version or 0))
+            if not state_ok:
+                out["torn"] += 1
+    if session is None:
+        return out  # nothing to recover: connecting failed
+    if s.first_fault_rank is not None and rank == s.fault_rank:
+        faults.arm(s.fault, on_fire=fired)  # the recovery fault, now that the first failure happened
+    try:
+        recovered = session.recover()
+        if recovered.source is not None:
+            for t in recovered.source.tensors.values():
+                t.add_(1000)  # version 1 -> version 2 (values differ by 1000 per version)
+        recovered.refit(2)
+        out["events"].append(("recovered", recovered.group.size, time.time()))
+        _check(out, dst_layout, rank, dst_buffers, 2, recovered.destination)
+        recovered.close()
+    except RefitError as e:
+        out["events"].append(("recovery failed", e.phase, list(e.ranks), str(e)[:300], time.time()))
+    return out
+
+
+def _check(out: dict, layout: Layout, rank: int, buffers: dict, version: int, destination) -> None:
+    if destination is not None and not holds_version(layout, rank, buffers, version):
+        out["silent"] += 1
+
+
+# ---------------------------------------------------------------------------- driver
+def _worker(tasks, results) -> None:
+    torch.set_num_threads(1)
+    while True:
+        task = tasks.get()
+        if task is None:
+            return
+        s, rank, addr = task
+        try:
+            results.put(run_rank(s, rank, addr))
+        except Exception:  # noqa: BLE001 - a harness bug: report it, do not hang the driver
+            results.put({"rank": rank, "events": [("harness error", traceback.format_exc()[-800:])],
+                         "fault_fired": False, "silent": 0, "torn": 0})
+        faults.arm(None)
+
+
+@dataclass
+class Outcome:
+    scenario: Scenario
+    fired: bool
+    hung: list[int] = field(default_factory=list)
+    silent: int = 0
+    torn: int = 0
+    detection_s: float | None = None
+    recovery_s: float | None = None
+    result: str = ""
+    reports: list[dict] = field(default_factory=list)
+
+
+class Driver:
+    """Persistent worker processes and a TCP store per scenario (see module doc)."""
+
+    def __init__(self, workers: int = 5) -> None:
+        self.ctx = mp.get_context("spawn")
+        self.results = self.ctx.Queue()
+        self.pool: list[tuple] = [self._start() for _ in range(workers)]
+
+    def _start(self):
+        tasks = self.ctx.Queue()
+        p = self.ctx.Process(target=_worker, args=(tasks, self.results), daemon=True)
+        p.start()
+        return p, tasks
+
+    def run(self, s: Scenario) -> Outcome:
+        port = free_port()
+        store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=30),
+                              wait_for_workers=False)
+        for rank in range(s.world):
+            self.pool[rank][1].put((s, rank, f"127.0.0.1:{port}"))
+        deadline = time.time() + 12 * s.timeout_s + 30
+        reports: dict[int, dict] = {}
+        lost = {s.fault_rank} if s.fault and s.fault.split("@")[0] in ("kill", "stall") else set()
+        while len(reports) < s.world and time.time() < deadline:
+            missing = [r for r in range(s.world) if r not in reports]
+            if all(r in lost for r in missing) and self._fault_fired(store, s):
+                break  # the killed or stalled rank will not report
+            try:
+                rep = self.results.get(timeout=0.2)
+                reports[rep["rank"]] = rep
+            except queue.Empty:
+                pass
+        outcome = self._judge(s, store, reports, lost)
+        for rank in range(s.world):  # replace what died or is stuck
+            p, _ = self.pool[rank]
+            if rank not in reports or not p.is_alive():
+                p.kill()
+                p.join(10)
+                self.pool[rank] = self._start()
+        self._drain()
+        return outcome
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                self.results.get_nowait()
+            except queue.Empty:
+                return
+
+    @staticmethod
+    def _fault_fired(store, s: Scenario) -> bool:
+        return store.check([f"fault/{s.fault_rank}"])
+
+    def _judge(self, s: Scenario, store, reports: dict[int, dict], lost: set[int]) -> Outcome:
+        fired_ranks = [r for r in range(s.world) if store.check([f"fault/{r}"])]
+        fired = s.fault_rank in fired_ranks
+        o = Outcome(s, fired, reports=list(reports.values()))
+        o.hung = [r for r in range(s.world) if r not in reports and not (r in lost and fired)]
+        o.silent = sum(r["silent"] for r in reports.values())
+        o.torn = sum(r["torn"] for r in reports.values())
+        errors = [e for r in reports.values() for e in r["events"] if e[0] == "error"]
+        if fired_ranks and errors:
+            t0 = min(float(store.get(f"fault/{r}").decode()) for r in fired_ranks)
+            o.detection_s = max(e[-1] for e in errors) - t0
+        o.result = _classify(s, reports)
+        if o.result == "recovered":
+            rec = [e[-1] for r in reports.values() for e in r["events"] if e[0] == "recovered"]
+            o.recovery_s = max(rec) - max(e[-1] for e in errors)
+        return o
+
+    def close(self) -> None:
+        for p, tasks in self.pool:
+            tasks.put(None)
+        for p, _ in self.pool:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+
+
+UNRECOVERABLE = {"is not fully held by any source": "unrecoverable: a source's only copy was lost",
+                 "no rank holds a destination side": "unrecoverable: no destination left",
+                 "no rank holds a source side": "unrecoverable: no source left"}
+
+
+def _classify(s: Scenario, reports: dict[int, dict]) -> str:
+    """What a scenario came to: committed, recovered, unrecoverable (and why), or a failure to look at."""
+    events = {r: [e[0] for e in rep["events"]] for r, rep in reports.items()}
+    if any("harness error" in ev for ev in events.values()):
+        return "harness error"
+    if all(ev == ["committed"] for ev in events.values()):
+        return "committed"
+    if any("committed" in ev for ev in events.values()):
+        return "split outcome"  # some ranks committed, others raised: the defect the decision prevents
+    faulty = {s.fault_rank, s.first_fault_rank}
+    others = {r: rep for r, rep in reports.items() if r not in faulty}
+    if not any("recovered" in events[r] or "recovery failed" in events[r] for r in others):
+        return "detected at connect" if all(e[1] == "connect" for rep in reports.values() for e in rep["events"]
+                                            if e[0] == "error") else "detected, no recovery"
+    if all("recovered" in events[r] for r in others):
+        return "recovered"
+    texts = [e[3] for rep in others.values() for e in rep["events"] if e[0] == "recovery failed"]
+    for needle, label in UNRECOVERABLE.items():
+        if texts and all(needle in t for t in texts):
+            return label
+    return "recovery failed"
+
+
+def summary(outcomes: list[Outcome]) -> dict:
+    """The figures the suite prints."""
+    det = [o.detection_s for o in outcomes if o.detection_s is not None]
+    rec = [o.recovery_s for o in outcomes if o.recovery_s is not None]
+
+    def pct(xs, q):
+        return float(np.percentile(xs, q)) if xs else float("nan")
+
+    out = {"scenarios": len(outcomes), "faults fired": sum(o.fired for o in outcomes),
+           "hangs": sum(bool(o.hung) for o in outcomes), "silent corruptions": sum(o.silent for o in outcomes),
+           "torn models served or committed": sum(o.torn for o in outcomes),
+           "detection p50 s": pct(det, 50), "detection p95 s": pct(det, 95),
+           "recovery p50 s": pct(rec, 50), "recovery p95 s": pct(rec, 95)}
+    for kind in KINDS:
+        d = [o.detection_s for o in outcomes if o.detection_s is not None and o.scenario.fault.startswith(kind)]
+        out[f"detection p50/p95 s, {kind}"] = (pct(d, 50), pct(d, 95))
+    results: dict[str, int] = {}
+    for o in outcomes:
+        results[o.result] = results.get(o.result, 0) + 1
+    out["outcomes"] = dict(sorted(results.items(), key=lambda kv: -kv[1]))
+    return out
+
+
+__all__ = ["Driver", "Outcome", "Scenario", "random_scenario", "run_rank", "scenario_layouts", "summary"]
