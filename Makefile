@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 CORE   := $(VENV)/.installed-core
 TEST   := $(VENV)/.installed-test
 
-.PHONY: demo test bench bench-scale bench-cost bench-vllm example-vllm clean
+.PHONY: demo test bench bench-scale bench-cost bench-vllm bench-soak bench-faults example-vllm clean
 
 $(CORE): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -36,7 +36,15 @@ bench: $(CORE)
 bench-scale: $(CORE)
 	$(PY) benchmarks/bench_scale.py
 
+# 100 refits per mode (one session; executors built afresh): RSS, open files and time stay flat
+bench-soak: $(CORE)
+	$(PY) benchmarks/bench_soak.py
+
 # calibrate the cost model's cpu topology here, then compare it with real gloo refits
+# randomized faults (kill, stall, raise, corrupt) in refits over real processes: hangs, corruptions, torn models
+bench-faults: $(CORE)
+	$(PY) benchmarks/bench_faults.py
+
 bench-cost: $(CORE)
 	$(PY) benchmarks/bench_cost.py
 

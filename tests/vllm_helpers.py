@@ -47,3 +47,51 @@ def differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[
         return sorted(set(a) ^ set(b))
     return [n for n in a if a[n].shape != b[n].shape or a[n].dtype != b[n].dtype
             or not torch.equal(a[n].reshape(-1).view(torch.uint8), b[n].reshape(-1).view(torch.uint8))]
+
+
+def start_engine(path: str, tp: int = 1, **options):
+    """A tiny offline engine on the ``reshard`` backend, as the vLLM tests start them (its workers
+    bound to cores 0..tp-1)."""
+    from vllm import LLM
+    from vllm.config import WeightTransferConfig
+
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % (os.cpu_count() or 1)) for r in range(tp))
+    return LLM(model=path, tensor_parallel_size=tp, dtype="bfloat16", enforce_eager=True,
+               **{"max_model_len": 128, "enable_prefix_caching": False, **options},
+               weight_transfer_config=WeightTransferConfig(backend="reshard"))
+
+
+def engine_pids(llm) -> list[int]:
+    """The processes of an offline engine: its EngineCore(s), then their children (the workers)."""
+    import psutil
+
+    cores = [p.pid for p in llm.llm_engine.engine_core.resources.engine_manager.processes]
+    children = [c.pid for pid in cores if psutil.pid_exists(pid)
+                for c in psutil.Process(pid).children(recursive=True)]
+    return cores + children
+
+
+def kill_engine(llm, timeout_s: float = 30.0) -> list[int]:
+    """SIGKILL every process of an offline engine (as if its machine died), then wait until the
+    ``LLM`` front end has noticed (its calls then raise ``EngineDeadError``); the pids killed."""
+    import time
+
+    pids = engine_pids(llm)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    deadline = time.monotonic() + timeout_s
+    while not llm.llm_engine.engine_core.resources.engine_dead:
+        assert time.monotonic() < deadline, f"the front end did not notice its engine died within {timeout_s} s"
+        time.sleep(0.05)
+    return pids
+
+
+def arm_fault(worker, fault: str | None) -> None:
+    """Arm ``fault`` (``"kill@transfer round 1"``, ...: :mod:`reshard.execution.faults`) in a worker, through
+    ``llm.collective_rpc(arm_fault, args=(fault,))``."""
+    from reshard.execution import faults
+
+    faults.arm(fault)

@@ -36,7 +36,8 @@ import numpy as np
 import torch
 
 from .placements import Placement, from_torch_placement, local_pieces
-from .tensors import LayoutError, Piece, TensorSpec, box_slices, box_str, buffer_view, dtype_class, itemsize
+from .tensors import (LayoutError, Piece, TensorSpec, box_slices, box_str, buffer_view, checked_int, checked_ints,
+                      dtype_class, itemsize)
 
 VALIDATE_MAX_PIECES = 100_000
 """``Layout(..., validate=None)`` checks layouts up to this many pieces; bigger ones (whole models at
@@ -138,6 +139,16 @@ class PieceTable:
         return key
 
 
+def _checked_piece(p: Piece) -> Piece:
+    """``p`` with plain int fields, or :class:`LayoutError` naming the tensor and what is not an integer
+    (a float, even 2.0, or a bool), or a negative rank."""
+    rank = checked_int(p.rank, f"tensor {p.tensor!r}: piece rank", minimum=0)
+    where = f"tensor {p.tensor!r} rank {rank}:"
+    return Piece(p.tensor, checked_ints(p.offsets, f"{where} box offsets"),
+                 checked_ints(p.sizes, f"{where} box sizes"), p.buffer,
+                 checked_ints(p.buffer_offsets, f"{where} buffer offsets"), rank)
+
+
 def _as_table(pieces: Sequence[Piece], ndim: int) -> PieceTable:
     k = len(pieces)
     bnd = max((len(p.buffer_offsets) for p in pieces), default=ndim)
@@ -201,8 +212,7 @@ class Layout:
             spec_by_name[s.name] = s
         grouped: dict[str, list[Piece]] = defaultdict(list)
         for p in pieces:
-            p = Piece(p.tensor, tuple(map(int, p.offsets)), tuple(map(int, p.sizes)), p.buffer,
-                      tuple(map(int, p.buffer_offsets)), int(p.rank))
+            p = _checked_piece(p)
             if p.tensor not in spec_by_name:
                 raise LayoutError(
                     f"unknown tensor {p.tensor!r}: rank {p.rank} holds box {box_str(p.offsets, p.sizes)} "
@@ -222,8 +232,11 @@ class Layout:
             grouped[p.tensor].append(p)
         bufs: dict[int, dict[str, tuple[tuple[int, ...], torch.dtype]]] = defaultdict(dict)
         for r, named in (buffers or {}).items():
+            r = checked_int(r, "buffers: rank", minimum=0)
             for name, (shape, dtype) in named.items():
-                bufs[int(r)][name] = (tuple(int(s) for s in shape), dtype)
+                if not isinstance(dtype, torch.dtype):
+                    raise LayoutError(f"rank {r} buffer {name!r}: dtype must be a torch.dtype, got {dtype!r}")
+                bufs[r][name] = (checked_ints(shape, f"rank {r} buffer {name!r}: shape", minimum=0), dtype)
         inferred: dict[tuple[int, str], list[int]] = {}
         inferred_dtype: dict[tuple[int, str], torch.dtype] = {}
         for name, plist in grouped.items():
@@ -262,6 +275,8 @@ class Layout:
         The buffer is named after the tensor unless ``buffer`` is given; its dtype is the
         tensor's unless ``dtype`` is given (e.g. bf16 inference copies of fp32 weights).
         """
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise LayoutError(f"tensor {spec.name!r}: buffer dtype must be a torch.dtype, got {dtype!r}")
         pieces, buffers = local_pieces(spec, ranks, mesh_shape, placements, split, buffer or spec.name,
                                        dtype or spec.dtype)
         return cls.from_pieces([spec], pieces, buffers)
@@ -485,6 +500,10 @@ class Layout:
         overlaps are found by sorting each buffer's pieces along their first dim and comparing
         only pieces whose first-dim ranges meet.
         """
+        negative = [r for r in self._buffers if r < 0]
+        if negative:
+            raise LayoutError(f"rank {negative[0]}: ranks must be >= 0 (it declares buffers "
+                              f"{', '.join(map(repr, self._buffers[negative[0]]))})")
         looked_up: dict[tuple[str, bytes], tuple] = {}
         codes: dict[str, int] = {}
         by_width: dict[int, tuple[list, list, list, list, list]] = defaultdict(lambda: ([], [], [], [], []))
@@ -494,6 +513,10 @@ class Layout:
                 raise LayoutError(f"unknown tensor {name!r}: pieces refer to it but no TensorSpec names it")
             if not len(t):
                 continue
+            if t.ranks.min() < 0:
+                i = int(np.argmin(t.ranks))
+                raise LayoutError(f"tensor {name!r} rank {int(t.ranks[i])}: box {box_str(t.offsets[i], t.sizes[i])} "
+                                  f"is on a negative rank (ranks must be >= 0)")
             shape = np.array(spec.shape, np.int64)
             bad = np.flatnonzero(((t.offsets < 0) | (t.sizes < 0) | (t.offsets + t.sizes > shape)).any(axis=1))
             if len(bad):
@@ -558,7 +581,7 @@ class Layout:
 
     def _check_buffer_overlaps(self, by_width: dict) -> None:
         """Pieces grouped by buffer-offset width: (keys, lows, highs, (table, count) runs, piece ids)."""
-        width = max(by_width)
+        width = max(max(by_width), 1)  # a 0-d tensor's pieces: one slot along a pretend dim
         parts = []
         for w, (keys, los, his, tis, pieces) in by_width.items():
             lo, hi = np.concatenate(los), np.concatenate(his)

@@ -27,7 +27,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .tensors import LayoutError, Piece, TensorSpec
+from .tensors import LayoutError, Piece, TensorSpec, checked_ints, is_int
 
 SPLITS = ("chunk", "balanced", "even")
 
@@ -177,7 +177,7 @@ def check_ranks(ranks: Sequence[int], what: str, mesh: Sequence[int] | None = No
     if mesh is not None:
         sizes = {f"mesh dim {i}": m for i, m in enumerate(mesh)}
     check_sizes(what, **sizes)
-    out = np.array([int(r) for r in ranks], np.int64)
+    out = np.array(checked_ints(ranks, f"{what}: ranks", minimum=0), np.int64)
     need = math.prod(int(v) for v in sizes.values())
     if len(out) != need:
         expected = (f"mesh shape {tuple(mesh)} holds" if mesh is not None else
@@ -189,16 +189,20 @@ def check_ranks(ranks: Sequence[int], what: str, mesh: Sequence[int] | None = No
 
 
 def _check(spec: TensorSpec, ranks: Sequence[int], mesh_shape: Sequence[int], placements: Sequence) -> None:
+    if not isinstance(spec, TensorSpec):
+        raise LayoutError(f"expected a TensorSpec, got {spec!r}")
     check_ranks(ranks, f"tensor {spec.name!r}", mesh=mesh_shape)
     if len(placements) != len(mesh_shape):
         raise LayoutError(f"tensor {spec.name!r}: {len(placements)} placements for a {len(mesh_shape)}-dim mesh")
     for p in placements:
         if not isinstance(p, (Shard, Replicate, StridedShard)):
             raise LayoutError(f"tensor {spec.name!r}: unsupported placement {p!r}")
+        if isinstance(p, (Shard, StridedShard)) and not is_int(p.dim):
+            raise LayoutError(f"tensor {spec.name!r}: {p!r} needs an integer dim")
         if isinstance(p, (Shard, StridedShard)) and not 0 <= p.dim < len(spec.shape):
             raise LayoutError(f"tensor {spec.name!r}: {p!r} but the tensor has {len(spec.shape)} dims")
-        if isinstance(p, StridedShard) and p.split_factor < 1:
-            raise LayoutError(f"tensor {spec.name!r}: {p!r} needs split_factor >= 1")
+        if isinstance(p, StridedShard) and not (is_int(p.split_factor) and p.split_factor >= 1):
+            raise LayoutError(f"tensor {spec.name!r}: {p!r} needs an integer split_factor >= 1")
 
 
 def local_pieces(spec: TensorSpec, ranks: Sequence[int], mesh_shape: Sequence[int], placements: Sequence,

@@ -7,8 +7,11 @@ Pictures go to an output folder, ``reshard-out/`` under the current directory un
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -18,13 +21,114 @@ DEFAULT_OUT = "reshard-out"
 SIZES = ("layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "vocab")  # model size options
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+MiB = 1 << 20
+
+
+def _integer(s: str, minimum: int) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {s!r}") from None
+    if v < minimum:
+        raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {v}")
+    return v
 
 
 def _positive(s: str) -> int:
-    v = int(s)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return _integer(s, 1)
+
+
+def _nonnegative(s: str) -> int:
+    return _integer(s, 0)
+
+
+def _number(s: str, *, zero: bool, what: str) -> float:
+    """A finite float > 0 (>= 0 with ``zero``), for an argparse option."""
+    try:
+        v = float(s)
+    except ValueError:
+        v = math.nan
+    if not math.isfinite(v) or v < 0 or (v == 0 and not zero):
+        raise argparse.ArgumentTypeError(f"must be a finite number {'>= 0' if zero else '> 0'}{what}, got {s!r}")
     return v
+
+
+def _positive_number(s: str) -> float:
+    return _number(s, zero=False, what="")
+
+
+def _cap_mb(s: str) -> float:
+    return _number(s, zero=True, what=" (0: no cap)")
+
+
+def cap_bytes(mb: float, option: str, *, none: bool = True) -> int | None:
+    """``--max-bucket-mb``-style MiB as whole bytes (None for 0: no cap, where ``none``), or ``ValueError``
+    when a positive figure rounds below :data:`~reshard.planning.schedule.ALIGN` bytes."""
+    from ..planning.schedule import ALIGN
+
+    n = int(mb * MiB)
+    if mb and n < ALIGN:
+        raise ValueError(f"{option} {mb:g} is {n} bytes; a staging cap needs at least {ALIGN} bytes "
+                         f"({ALIGN / MiB:.2g} MiB)" + (", or 0 for none" if none else ""))
+    return n or None
+
+
+def output_problem(path: str, option: str, *, folder: bool = False) -> str | None:
+    """Why ``path`` cannot be written (None: it can): a folder where a file is wanted or the other way
+    round, a file on the way to it, or no write permission. Missing folders are fine: they are created."""
+    if not path:
+        return f"{option}: empty path"
+    p = Path(path)
+    if not folder and path.endswith(("/", os.sep)):
+        return f"{option} {path!r} names a folder; give a file path"
+    if p.exists():
+        if folder and not p.is_dir():
+            return f"{option} {path!r} is a file, not a folder"
+        if not folder and p.is_dir():
+            return f"{option} {path!r} is a folder; give a file path"
+        if not os.access(p, os.W_OK):
+            return f"{option} {path!r} is not writable"
+        return None
+    above = p.absolute().parent
+    while not above.exists() and above != above.parent:
+        above = above.parent
+    if not above.is_dir():
+        return f"{option} {path!r}: {str(above)!r} is a file, not a folder"
+    if not os.access(above, os.W_OK | os.X_OK):
+        return f"{option} {path!r}: cannot create anything in {str(above)!r} (not writable)"
+    return None
+
+
+def _check_outputs(*outputs: tuple[str | None, str, bool]) -> None:
+    for path, option, folder in outputs:
+        problem = None if path is None else output_problem(path, option, folder=folder)
+        if problem:
+            raise ValueError(problem)
+
+
+def _check_demo(args) -> None:
+    """Option checks before anything is planned or spawned (``ValueError``: a usage error)."""
+    cap_bytes(args.max_bucket_mb, "--max-bucket-mb")
+    _check_outputs((args.json, "--json", False))
+
+
+def _check_plan(args) -> None:
+    cap_bytes(args.max_bucket_mb, "--max-bucket-mb")
+    _check_outputs((args.plot, "--plot", True))
+
+
+def _check_simulate(args) -> None:
+    cap_bytes(args.bucket_mb, "--bucket-mb", none=False)
+    _check_outputs((args.out if args.png is None else None, "--out", True), (args.png or None, "--png", False),
+                   (args.json, "--json", False))
+
+
+def _write_json(path: str, data) -> None:
+    import json
+
+    Path(path).absolute().parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
 
 
 def _demo_parser(sub) -> argparse.ArgumentParser:
@@ -89,7 +193,7 @@ def _demo_parser(sub) -> argparse.ArgumentParser:
     m.add_argument("--kv-heads", type=_positive, default=None, help=f"key/value heads (default {d.kv_heads})")
     m.add_argument("--head-dim", type=_positive, default=None, help=f"size of one head (default {d.head_dim})")
     m.add_argument("--vocab", type=_positive, default=None, help=f"vocabulary size (default {d.vocab})")
-    m.add_argument("--scale", type=float, default=None,
+    m.add_argument("--scale", type=_positive_number, default=None,
                    help="shrink (or grow) the model: multiplies the number of layers and the vocabulary by this "
                         "factor (vocab rounded to a multiple of 64 x tp); explicit --layers/--vocab win")
     m.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
@@ -98,7 +202,7 @@ def _demo_parser(sub) -> argparse.ArgumentParser:
                    help="dtype of the training-side buffers if different (e.g. fp32 master weights); the "
                         "executors cast to --dtype on the sender (default: same as --dtype)")
     r = p.add_argument_group("run")
-    r.add_argument("--max-bucket-mb", type=float, default=64.0,
+    r.add_argument("--max-bucket-mb", type=_cap_mb, default=64.0,
                    help="staging cap per rank in MiB (max_bucket_bytes): the reshard executor splits the transfer "
                         "into rounds so that its send + receive staging stays under it; 0 means no cap "
                         "(default %(default)s)")
@@ -110,14 +214,14 @@ def _demo_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("--methods", default="reshard,gather-broadcast",
                    help="comma-separated methods to run, in order, of: reshard, gather-broadcast, hierarchical "
                         "(reshard in phases over pretend NVLink domains, see --domain-size) (default %(default)s)")
-    r.add_argument("--domain-size", type=int, default=0, metavar="K",
+    r.add_argument("--domain-size", type=_nonnegative, default=0, metavar="K",
                    help="for the hierarchical method: pretend NVLink domains of K consecutive ranks, inference "
                         "ranks starting a fresh domain; 0 puts all inference ranks in one (default %(default)s)")
     r.add_argument("--json", metavar="PATH", default=None,
                    help="also write the collected figures (per-run times, bytes, plan facts) to PATH as JSON")
     r.add_argument("--quiet", action="store_true",
                    help="no progress display while running; print only the header and the final table")
-    p.set_defaults(func=_demo)
+    p.set_defaults(func=_demo, check=_check_demo, parser=p)
     return p
 
 
@@ -128,8 +232,12 @@ def model_from_args(args) -> Arch:
         if args.scale <= 0:
             raise SystemExit("reshard demo: --scale must be > 0")
         quantum = 64 * (args.tp or 2)
-        vocab = max(quantum, round(cfg.vocab * args.scale / quantum) * quantum)
-        cfg = cfg.with_overrides(layers=max(1, round(cfg.layers * args.scale)), vocab=vocab)
+        try:
+            vocab = max(quantum, round(cfg.vocab * args.scale / quantum) * quantum)
+            layers = max(1, round(cfg.layers * args.scale))
+        except OverflowError:
+            raise SystemExit(f"reshard demo: --scale {args.scale:g} makes the model too big to count") from None
+        cfg = cfg.with_overrides(layers=layers, vocab=vocab)
     return cfg.with_overrides(**{k: getattr(args, k) for k in SIZES})
 
 
@@ -142,8 +250,9 @@ def demo_config(args):
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:
         raise SystemExit(f"reshard demo: unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
+    cap = cap_bytes(args.max_bucket_mb, "--max-bucket-mb")
     common = dict(colocate=args.colocate, source_dtype=DTYPES[args.source_dtype] if args.source_dtype else None,
-                  max_bucket_bytes=int(args.max_bucket_mb * (1 << 20)) or None, repeat=args.repeat, seed=args.seed,
+                  max_bucket_bytes=cap, repeat=args.repeat, seed=args.seed,
                   methods=methods, progress=not args.quiet, domain_size=args.domain_size)
     if args.model is None:  # the built-in demo: FSDP2 training, torch tensor parallel inference replicas
         given = [f"--{o}" for o in ("train", "infer") if getattr(args, o) is not None]
@@ -167,17 +276,17 @@ def _demo(args) -> int:
     from rich.console import Console
 
     from ..tensors import LayoutError
-    from .demo import header_line
+    from .demo import header_line, preflight
 
     console = Console()
     try:
         cfg = demo_config(args)
-        lay = cfg.layouts()
+        lay = preflight(cfg)  # the model fits this machine, every method plans under the cap
     except SystemExit as e:
-        console.print(str(e), style="red", highlight=False)
+        console.print(str(e), style="red", highlight=False, soft_wrap=True)
         return 2
     except (LayoutError, ValueError) as e:
-        console.print(f"reshard demo: {e}", style="red", highlight=False)
+        console.print(f"reshard demo: {e}", style="red", highlight=False, soft_wrap=True)
         return 2
     console.print(header_line(cfg, lay), highlight=False)
     return _run_and_report(cfg, args, console)
@@ -193,10 +302,7 @@ def _run_and_report(cfg, args, console) -> int:
         return 1
     print_report(result, console)
     if args.json:
-        import json
-
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        _write_json(args.json, result)
     return 1 if failures(result) else 0
 
 
@@ -225,7 +331,7 @@ def _plan_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--independent-engines", action="store_true",
                    help="read the vLLM spec's dp as that many independent engines (as most RL stacks run "
                         "them), not one deployment with data_parallel_size=dp")
-    p.add_argument("--max-bucket-mb", type=float, default=0,
+    p.add_argument("--max-bucket-mb", type=_cap_mb, default=0,
                    help="staging cap per rank in MiB for the plan's rounds (default: none)")
     p.add_argument("--no-baseline", action="store_true", help="skip the gather-and-broadcast byte count")
     p.add_argument("--plot", metavar="DIR", nargs="?", const=DEFAULT_OUT, default=None,
@@ -250,7 +356,7 @@ def _plan_parser(sub) -> argparse.ArgumentParser:
                         "lower_bound_term, lower_bound_job_s (over the job's NICs only), ours_over_bound, speedup (ours vs "
                         "hybrid, gather_broadcast, gather_broadcast_naive), bottleneck, cross_domain_bytes; "
                         "rounds use a 1 GiB staging cap unless --max-bucket-mb is set, broadcasts 1 GiB buckets")
-    p.set_defaults(func=_plan)
+    p.set_defaults(func=_plan, check=_check_plan, parser=p)
     return p
 
 
@@ -275,10 +381,11 @@ def _plan(args) -> int:
                 topo = Topology.resolve(args.topology or "dgx-h100")
             except ValueError as e:
                 raise ValueError(f"--topology: {e}") from None
-        refit, p, plan_s = plan_model(args.model, args.train, infer, int(args.max_bucket_mb * (1 << 20)) or None)
+        cap = cap_bytes(args.max_bucket_mb, "--max-bucket-mb")
+        refit, p, plan_s = plan_model(args.model, args.train, infer, cap)
         summary = summarize(refit, p, baseline=not args.no_baseline)
     except (LayoutError, ValueError) as e:
-        console.print(f"reshard plan: {e}", style="red", highlight=False)
+        console.print(f"reshard plan: {e}", style="red", highlight=False, soft_wrap=True)
         return 2
     out = {"model": args.model, "train": refit.train.describe(), "infer": refit.infer.describe(),
            "engines": "independent" if refit.infer.independent else "one deployment",
@@ -369,11 +476,11 @@ def _simulate_parser(sub) -> argparse.ArgumentParser:
                    help="folder for the chart (default ./%(default)s)")
     p.add_argument("--png", metavar="PATH", default=None,
                    help="chart path (default: OUT/simulate.png; '' for no chart)")
-    p.add_argument("--bucket-mb", type=float, default=1024,
+    p.add_argument("--bucket-mb", type=_positive_number, default=1024,
                    help="staging cap per GPU in MiB, which sets the rounds (default %(default)s)")
     p.add_argument("--json", default=None,
                    help="also write the results as JSON here: per case the fields of `reshard plan --json`")
-    p.set_defaults(func=_simulate)
+    p.set_defaults(func=_simulate, check=_check_simulate, parser=p)
     return p
 
 
@@ -387,21 +494,20 @@ def _simulate(args) -> int:
     known = {c.key: c for c in CASES}
     unknown = [k for k in keys if k not in known]
     if unknown:
-        console.print(f"reshard simulate: unknown case {unknown[0]!r}; known: {', '.join(known)}", style="red")
+        console.print(f"reshard simulate: unknown case {unknown[0]!r}; known: {', '.join(known)}", style="red",
+                      soft_wrap=True)
         return 2
     results = []
+    cap = cap_bytes(args.bucket_mb, "--bucket-mb", none=False)
     for k in keys:
         with console.status(f"planning and modeling {k} ..."):
-            results.append(simulate_case(known[k], max_bucket_bytes=int(args.bucket_mb * (1 << 20))))
+            results.append(simulate_case(known[k], max_bucket_bytes=cap))
     render(results, console, f"modeled refit time (staging cap {args.bucket_mb:g} MiB per GPU)")
     png = f"{args.out}/simulate.png" if args.png is None else args.png
     if png:
         console.print(f"wrote {plot(results, png)}", highlight=False)
     if args.json:
-        import json
-
-        with open(args.json, "w") as f:
-            json.dump([to_json(r) for r in results], f, indent=1)
+        _write_json(args.json, [to_json(r) for r in results])
     return 0
 
 
@@ -416,9 +522,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split("\n")) or type(e).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; a user's mistake ends in one line on stderr and status 2, not a traceback.
+
+    Options are checked (ranges, output paths) before anything is planned, spawned or written; a
+    ``ValueError`` (``LayoutError`` included) that the command's own reporting lets through is
+    printed as ``reshard COMMAND: error: ...``, the way argparse prints a bad option.
+    """
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        args.check(args)
+    except ValueError as e:
+        args.parser.error(_one_line(e))
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"{args.parser.prog}: error: {_one_line(e)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -248,13 +248,128 @@ def _config_dict(cfg: DemoConfig, lay: ModelLayouts) -> dict:
 
 
 # ---------------------------------------------------------------------------------------- driver
+PROCESS_BYTES = 200 * MiB
+"""A rank's own memory before it holds any weight (Python, torch, gloo; about 220 MiB measured)."""
+PROCESSES_PER_CPU = 8
+"""More local processes than this per CPU do not run the demo, they queue for the cores (gloo timeouts)."""
+
+
+def machine_cpus() -> int:
+    """CPUs this process may run on (the affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to new processes (``MemAvailable`` of ``/proc/meminfo``), None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def machine_problem(processes: int, weight_bytes: int, *, cpus: int | None = None,
+                    available: int | None = None) -> str | None:
+    """Why this machine cannot hold ``processes`` local ranks holding ``weight_bytes`` of buffers in all
+    (None: it can). ``cpus`` and ``available`` (bytes) default to this machine's.
+
+    >>> machine_problem(8, 3 << 30, cpus=2, available=16 << 30) is None
+    True
+    >>> machine_problem(40, 0, cpus=2, available=16 << 30)
+    '40 processes on a machine with 2 CPUs: at most 16 (8 per CPU); use fewer ranks'
+    >>> machine_problem(8, 20 << 30, cpus=2, available=16 << 30).split(";")[0]
+    '8 processes need at least 23.2 GB of memory (21.5 GB of weights and staging, 1.7 GB to start the processes) \
+but 17.2 GB are available'
+    """
+    cpus = machine_cpus() if cpus is None else cpus
+    if processes > PROCESSES_PER_CPU * cpus:
+        return (f"{processes} processes on a machine with {cpus} CPU{'s' if cpus > 1 else ''}: at most "
+                f"{PROCESSES_PER_CPU * cpus} ({PROCESSES_PER_CPU} per CPU); use fewer ranks")
+    available = available_memory() if available is None else available
+    need = processes * PROCESS_BYTES + weight_bytes
+    if available is not None and need > available:
+        return (f"{processes} processes need at least {need / 1e9:.1f} GB of memory ({weight_bytes / 1e9:.1f} GB of "
+                f"weights and staging, {processes * PROCESS_BYTES / 1e9:.1f} GB to start the processes) but "
+                f"{available / 1e9:.1f} GB are available; shrink the model (--scale, --layers, --vocab) or use "
+                f"fewer ranks")
+    return None
+
+
+def estimated_model_bytes(arch: Arch) -> int:
+    """``arch.nbytes`` without listing every layer's tensors: exact up to 8 layers, then the last layer's
+    bytes times the layers beyond (a model of 10**9 layers is refused, not enumerated)."""
+    if arch.layers <= 8:
+        return arch.nbytes
+    eight, seven = arch.with_overrides(layers=8).nbytes, arch.with_overrides(layers=7).nbytes
+    return eight + (arch.layers - 8) * (eight - seven)
+
+
+def layout_bytes(layout) -> int:
+    """Bytes of every buffer of every rank of ``layout``."""
+    return sum(math.prod(shape) * dt.itemsize for r in layout.ranks for shape, dt in layout.buffers(r).values())
+
+
+def preflight(cfg: DemoConfig, lay: ModelLayouts | None = None) -> ModelLayouts:
+    """Check everything about ``cfg`` that can go wrong before a process is spawned, and return its layouts
+    (``lay`` if given): the options, that the model and ranks fit this machine (:func:`machine_problem`)
+    and that every method plans under the staging cap. Raises ``ValueError`` (``LayoutError`` for a
+    model the parallel sizes do not split) with one line naming the culprit."""
+    from ..execution.methods import METHODS, round_cap
+    from ..frameworks.parallel import InferParallel, TrainParallel
+    from ..planning.schedule import check_max_bucket_bytes
+    from ..tensors import checked_int
+
+    bad = [m for m in cfg.methods if m not in METHODS]
+    if bad or not cfg.methods:
+        raise ValueError(f"unknown method(s) {bad}; choose from {', '.join(METHODS)}")
+    check_max_bucket_bytes(cfg.max_bucket_bytes)
+    checked_int(cfg.repeat, "repeat", minimum=1)
+    checked_int(cfg.seed, "seed")
+    checked_int(cfg.domain_size, "domain_size", minimum=0)
+    if cfg.source_dtype is not None and not isinstance(cfg.source_dtype, torch.dtype):
+        raise ValueError(f"source_dtype must be a torch.dtype, got {cfg.source_dtype!r}")
+    if lay is None:
+        arch = cfg.arch
+        train = TrainParallel.parse(cfg.train) if isinstance(cfg.train, str) else cfg.train
+        infer = InferParallel.parse(cfg.infer) if isinstance(cfg.infer, str) else cfg.infer
+        world = max(train.world, infer.world) if cfg.colocate else train.world + infer.world
+        model = estimated_model_bytes(arch)
+        source = model * (cfg.source_dtype or arch.dtype).itemsize // arch.dtype.itemsize
+        problem = machine_problem(world, source + model)  # at least one copy on each side
+        if problem:
+            raise ValueError(problem)
+        lay = cfg.layouts()
+    staging = lay.world_size * min(cfg.max_bucket_bytes or 0, layout_bytes(lay.destination))
+    problem = machine_problem(lay.world_size, layout_bytes(lay.source) + layout_bytes(lay.destination) + staging)
+    if problem:
+        raise ValueError(problem)
+    domains = demo_domains(lay, cfg.domain_size)
+    for method in dict.fromkeys(cfg.methods):
+        if method == GATHER_BROADCAST:
+            continue
+        p = method_plan(method, lay.source, lay.destination, domains=domains)
+        need = max(ph.min_bucket_bytes for ph in p.phases)
+        cap = round_cap(cfg.max_bucket_bytes)
+        if cap is not None and cap < need:
+            raise ValueError(f"max_bucket_bytes={cfg.max_bucket_bytes} is too small for the {method} plan: its "
+                             f"rounds get {cap} bytes each, and a rank needs at least {need}")
+    return lay
+
+
 def run_demo(cfg: DemoConfig) -> dict:
     """Spawn the ranks, run the refit with every method, return rank 0's figures.
 
     Wrong destination bytes do not raise: they are listed in the result (see
-    :func:`failures`). Raises :class:`DemoFailed` if a rank fails.
+    :func:`failures`). Raises :class:`DemoFailed` if a rank fails, ``ValueError`` (before
+    spawning anything) for a configuration :func:`preflight` refuses.
     """
-    lay = cfg.layouts()  # fail fast on a bad config, before spawning anything
+    lay = preflight(cfg)  # fail fast on a bad config, before spawning anything
     fd, path = tempfile.mkstemp(prefix="reshard-demo-", suffix=".json")
     os.close(fd)
     try:

@@ -316,6 +316,8 @@ def _classify(s: Scenario, reports: dict[int, dict]) -> str:
         return "split outcome"  # some ranks committed, others raised: the defect the decision prevents
     faulty = {s.fault_rank, s.first_fault_rank}
     others = {r: rep for r, rep in reports.items() if r not in faulty}
+    if not others:
+        return "every rank faulted"
     if not any("recovered" in events[r] or "recovery failed" in events[r] for r in others):
         return "detected at connect" if all(e[1] == "connect" for rep in reports.values() for e in rep["events"]
                                             if e[0] == "error") else "detected, no recovery"

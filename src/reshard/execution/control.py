@@ -70,6 +70,7 @@ class Control:
         self.store, self.rank, self.size, self.timeout = store, rank, size, timeout
         self.ops = 0
         self.decisions = 0
+        self._forgotten = 0  # gathers whose keys are deleted
         self._abort_checked = 0.0
 
     def _next(self) -> int:
@@ -178,10 +179,23 @@ class Control:
         if int(self.store.compare_set(f"v/{n}/leader", "", str(self.rank)).decode()) == self.rank:
             verdict = self._verdict(n, limit)
             self.store.set(f"v/{n}", pickle.dumps(verdict))
+            if verdict is None:
+                self._forget(n)
         else:
             verdict = self._read_verdict(n, 2 * limit)
         if verdict is not None:
             raise verdict
+
+    def _forget(self, n: int) -> None:
+        """Delete the keys every rank is done with, so that the store does not grow refit after refit:
+        every rank posted decision ``n``, so each finished the gathers before it and read decision
+        ``n - 1``."""
+        keys = [f"o/{n - 1}/{r}" for r in range(self.size)] + [f"v/{n - 1}", f"v/{n - 1}/leader"]
+        for k in range(self._forgotten + 1, self.ops + 1):
+            keys += [f"c/{k}/{r}" for r in range(self.size)] + [f"c/{k}/count"]
+        self._forgotten = self.ops
+        for key in keys:
+            self.store.delete_key(key)
 
     def _verdict(self, n: int, limit: float) -> RefitError | None:
         keys = [f"o/{n}/{r}" for r in range(self.size)]

@@ -49,6 +49,14 @@ INFER_KEYS = {"vllm": ("tp", "dp", "ep", "independent"), "dtensor": ("tp", "dp")
 # inference keys written without a size: vLLM's enable_expert_parallel, and "the dp engines are
 # separate vLLM instances" (else one deployment with data_parallel_size=dp)
 FLAGS = {"ep", "independent"}
+MAX_WORLD = 1 << 16
+"""Most ranks one side may have: far beyond any cluster refit modeled here (the biggest, 1024), and small
+enough that a typo (dp100000000) is refused at once instead of building layouts of 10**8 ranks."""
+
+
+def _check_world(side: str, sizes: _Sides) -> None:
+    if sizes.world > MAX_WORLD:
+        raise LayoutError(f"{side} {sizes.framework}: {sizes.world} ranks; at most {MAX_WORLD} ranks per side")
 
 
 def _parse(text: str, frameworks: dict[str, tuple[str, ...]], flags: set[str]) -> tuple[str, dict[str, int | bool]]:
@@ -136,6 +144,7 @@ class TrainParallel(_Sides):
         if unused:
             raise LayoutError(f"training {self.framework}: {unused[0]}={sizes[unused[0]]} is not a {self.framework} "
                               f"size ({', '.join(TRAIN_KEYS[self.framework])})")
+        _check_world("training", self)
         if self.framework == "megatron" and self.world % (self.tp * self.cp * self.pp):
             raise LayoutError(f"training megatron: {self.world} ranks do not split into tp{self.tp} x cp{self.cp} "
                               f"x pp{self.pp} groups")
@@ -200,6 +209,7 @@ class InferParallel(_Sides):
         if self.framework not in INFER_KEYS:
             raise LayoutError(f"inference framework {self.framework!r} unknown; use one of {', '.join(INFER_KEYS)}")
         check_sizes(f"inference {self.framework}", tp=self.tp, dp=self.dp)
+        _check_world("inference", self)
         if self.ep and "ep" not in INFER_KEYS[self.framework]:
             raise LayoutError(f"inference {self.framework}: no expert parallelism")
 

@@ -40,9 +40,9 @@ import numpy as np
 
 from ..gc_pause import without_gc
 from ..layout import Layout, Repeated
-from ..tensors import LayoutError, dtype_class
+from ..tensors import LayoutError, dtype_class, is_int
 from .intersect import FANOUT, LOCAL, REMOTE, TensorItems, tensor_items
-from .schedule import ALIGN, Copy, Message, chunk_stream, pair_quotas
+from .schedule import ALIGN, Copy, Message, check_max_bucket_bytes, chunk_stream, pair_quotas
 
 PLAN_FORMAT = 2  # 2: staging quotas in proportion to each stream's bytes
 
@@ -129,8 +129,18 @@ class RankPlan:
         return max(per_round.values(), default=0)
 
 
-def _check_pair(source: Layout, destination: Layout) -> None:
+def check_pair(source: Layout, destination: Layout) -> None:
+    """Raise :class:`LayoutError` unless ``source`` can fill ``destination``: both are layouts, every
+    tensor the destination holds is in the source with the same shape and a dtype of the same class
+    (a cast within a class is allowed), and none is 0-d (hold a scalar as a 1-element view,
+    ``p.view(1)``, of shape ``(1,)`` on both sides)."""
+    for side, lay in (("source", source), ("destination", destination)):
+        if not isinstance(lay, Layout):
+            raise LayoutError(f"plan: the {side} must be a Layout, got {type(lay).__name__}")
     for name, dspec in destination.specs.items():
+        if not dspec.shape and len(destination.tables[name]):
+            raise LayoutError(f"tensor {name!r}: 0-d (scalar) tensors cannot be planned; hold it as a 1-element "
+                              f"view (t.view(1)) of shape (1,) on both sides")
         sspec = source.specs.get(name)
         if sspec is dspec or not len(destination.tables[name]):  # layouts built from one model's specs
             continue
@@ -147,6 +157,11 @@ def _check_pair(source: Layout, destination: Layout) -> None:
 
 def domain_array(domains: Mapping[int, int], ranks) -> np.ndarray:
     """``{rank: domain}`` as an array indexed by rank (-1 where unknown); each of ``ranks`` needs one."""
+    if not isinstance(domains, Mapping):
+        raise ValueError(f"domains must be a mapping {{rank: domain}}, got {type(domains).__name__}")
+    for r, d in domains.items():
+        if not (is_int(r) and r >= 0 and is_int(d) and d >= 0):
+            raise ValueError(f"domains: rank {r!r} -> domain {d!r}; ranks and domains are integers >= 0")
     missing = [r for r in sorted(ranks) if r not in domains]
     if missing:
         raise ValueError(f"domains: rank {missing[0]} has no domain ({len(missing)} ranks without one)")
@@ -213,9 +228,8 @@ class Plan:
     @without_gc
     def __init__(self, source: Layout, destination: Layout, *, max_bucket_bytes: int | None = None,
                  domains: Mapping[int, int] | None = None) -> None:
-        if max_bucket_bytes is not None and max_bucket_bytes < ALIGN:
-            raise ValueError(f"max_bucket_bytes={max_bucket_bytes} is smaller than {ALIGN} bytes")
-        _check_pair(source, destination)
+        max_bucket_bytes = check_max_bucket_bytes(max_bucket_bytes)
+        check_pair(source, destination)
         self.source = source
         self.destination = destination
         self.max_bucket_bytes = max_bucket_bytes

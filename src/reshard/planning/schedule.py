@@ -26,9 +26,34 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Mapping, NamedTuple
 
+import numpy as np
 import torch
 
 ALIGN = 16
+
+
+def check_max_bucket_bytes(value, what: str = "max_bucket_bytes") -> int | None:
+    """A staging cap as a plain int (or ``None``: no cap), else ``ValueError`` naming ``what``.
+
+    The cap is a whole number of bytes, at least :data:`ALIGN`: an int, or a float with an integral
+    value (``64e6``); NaN, infinities, fractions, bools, zero and negative numbers are refused.
+
+    >>> check_max_bucket_bytes(64e6), check_max_bucket_bytes(None)
+    (64000000, None)
+    >>> check_max_bucket_bytes(float("nan"))
+    Traceback (most recent call last):
+    ...
+    ValueError: max_bucket_bytes must be a positive whole number of bytes (or None: no cap), got nan
+    """
+    if value is None:
+        return None
+    number = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+    if not number or not math.isfinite(value) or value != int(value) or value <= 0:
+        raise ValueError(f"{what} must be a positive whole number of bytes (or None: no cap), got {value!r}")
+    value = int(value)
+    if value < ALIGN:
+        raise ValueError(f"{what}={value} is smaller than {ALIGN} bytes")
+    return value
 
 
 def aligned(n: int) -> int:

@@ -58,9 +58,10 @@ from ..execution.base import RunStats, agree
 from ..execution.control import RefitError
 from ..execution.executor import ReshardExecutor
 from ..execution.group import DEFAULT_TIMEOUT, Group
-from ..execution.methods import HIERARCHICAL, RESHARD, method_plan
+from ..execution.methods import HIERARCHICAL, RESHARD, check_method, method_plan
 from ..layout import Layout
 from ..planning.plan import Plan, PhasedPlan
+from ..planning.schedule import check_max_bucket_bytes
 from ..tensors import LayoutError
 from .sides import Side, WriteReport
 
@@ -156,6 +157,8 @@ class RefitSession:
         ``allow_lossy`` (send values a narrowing cast loses), ``failure`` (why this rank has no side to
         offer: every rank raises it at once instead of waiting), ``member`` (this process's name in
         membership changes)."""
+        _check_connect(timeout, options.get("method", AUTO), options.get("max_bucket_bytes", DEFAULT_BUCKET_BYTES),
+                       rank, world_size)
         if group is not None:
             g = Group.of(group)
         elif store_addr is not None:
@@ -253,6 +256,21 @@ class RefitSession:
     def resize(self, *, timeout: timedelta | None = None) -> "RefitSession":
         """Admit the processes waiting in :meth:`join` (collective over the members, between refits)."""
         return self._regroup("resize", timeout)
+
+    def waiting(self) -> list[str]:
+        """The processes waiting in :meth:`join` for the next :meth:`resize` (their member names)."""
+        store = self.group.tcp_store
+        if store is None:
+            return []
+        admitted, joiners = int(store.add("members/admitted", 0)), int(store.add("members/joiners", 0))
+        return [store.get(f"members/joiner/{i}").decode() for i in range(admitted + 1, joiners + 1)]
+
+    def leave(self) -> None:
+        """Leave the session between refits (an engine scaled down): the members' next :meth:`resize`
+        goes on without this rank at once instead of waiting for it. Closes this rank's group."""
+        if self.group.tcp_store is not None:
+            self.group.tcp_store.set(f"members/g{self.generation + 1}/gone/{self.rank}", self.member)
+        self.close()
 
     def _regroup(self, what: str, timeout: timedelta | None) -> "RefitSession":
         if self.group.tcp_store is None:
@@ -374,6 +392,26 @@ class RefitSession:
         self.group.close()
 
 
+def _check_connect(timeout, method, max_bucket_bytes, rank, world_size) -> None:
+    """Options a user got wrong, named before any process connects (a RefitError on this rank alone)."""
+    if not isinstance(timeout, timedelta) or not timeout.total_seconds() > 0:
+        raise RefitError("connect", f"timeout must be a positive datetime.timedelta, got {timeout!r}")
+    if method != AUTO:
+        try:
+            check_method(method)
+        except ValueError as e:
+            raise RefitError("connect", str(e)) from None
+    try:
+        check_max_bucket_bytes(max_bucket_bytes)
+    except ValueError as e:
+        raise RefitError("connect", str(e)) from None
+    for name, value in (("rank", rank), ("world_size", world_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise RefitError("connect", f"{name} must be an integer >= 0, got {value!r}")
+    if rank is not None and world_size is not None and rank >= world_size:
+        raise RefitError("connect", f"rank {rank} is outside a group of world_size {world_size}")
+
+
 def _roster(store, gen: int, rank: int, member: str, size: int, at_fault: set[int], timeout: timedelta,
             what: str) -> list[str]:
     """The members of generation ``gen``: the first member to come back leads (``compare_set`` on the
@@ -388,7 +426,7 @@ def _roster(store, gen: int, rank: int, member: str, size: int, at_fault: set[in
         grace = min(limit / 4, 1.0)
         while True:
             back = [r for r in range(size) if store.check([f"{prefix}/back/{r}"])]
-            waiting = [r for r in range(size) if r not in back and (
+            waiting = [r for r in range(size) if r not in back and not store.check([f"{prefix}/gone/{r}"]) and (
                 time.monotonic() - start < (grace if r in at_fault else limit))]
             if not waiting:
                 break

@@ -3,9 +3,11 @@
     plugin.py    registers the backend with vLLM's factories (the ``vllm.general_plugins`` entry point)
     engine.py    worker side: ReshardWeightTransferEngine, driven by vLLM's weight-sync calls
     trainer.py   trainer side: ReshardTrainerInitInfo, ReshardSource, ReshardTrainerWeightTransferEngine,
-                 EngineGroup (several engines as one client)
+                 EngineGroup (several engines as one client); pausing around refits, and gating
+                 engines a failed refit may have torn (WeightsPoisonedError)
     model.py     a live vLLM model as the destination side (in place, or through vLLM's layerwise reload)
     broadcast.py the baseline ``gloo_broadcast`` backend: vLLM's nccl broadcast path with gloo standing in
+    inspect.py   what tests and benchmarks read from engines (tensors, digests, stats, each worker's refit state)
 
 Inference side, nothing to import::
 
@@ -28,7 +30,9 @@ Importing this package does not import vLLM; its names load on first use.
 _NAMES = {"ReshardTrainerInitInfo": "trainer", "ReshardSource": "trainer", "EngineGroup": "trainer",
           "ReshardTrainerWeightTransferEngine": "trainer", "ReshardWeightTransferEngine": "engine",
           "ReshardWeightTransferInitInfo": "engine", "VLLMModelSide": "model", "register": "plugin",
-          "BroadcastTrainerInitInfo": "broadcast", "full_checkpoint_tensors": "broadcast"}
+          "BroadcastTrainerInitInfo": "broadcast", "full_checkpoint_tensors": "broadcast",
+          "WeightsPoisonedError": "trainer", "OfflineClient": "trainer", "HTTPClient": "trainer",
+          "transfer_state": "inspect"}
 
 
 def __getattr__(name: str):

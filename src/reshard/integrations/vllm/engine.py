@@ -8,18 +8,39 @@ vLLM drives it through its weight-sync calls (``LLM`` methods, the HTTP server's
     update_weights({"version": ...})         receive this worker's boxes (the trainer sends at once)
     finish_weight_update(weight_version=v)   vLLM records v once every worker returned from update
 
-A failed init leaves the model as it was; a failed update fails on every rank of the session.
-
 The trainer picks the method in the init info: ``"auto"``, ``"reshard"``, ``"hierarchical"`` (a
 refit session), or ``"broadcast"``, the baseline of :mod:`reshard.integrations.vllm.broadcast`
 (full tensors from trainer rank 0 into ``load_weights``), so one engine can be refitted every way a
 comparison needs.
 
-vLLM 0.32's multiprocess executor stops reading the workers' replies at the first failed one, so an
-error raised by several workers of one engine leaves replies queued and the engine's next RPC
-hangs. Errors here are the same on every worker (sessions fail collectively), so each worker
-catches them and only the engine's last worker raises: vLLM reads every reply, reports the error,
-and keeps serving.
+**Failures.** vLLM 0.32's multiprocess executor stops reading the workers' replies at the first
+failed one, so an error raised by several workers of one engine leaves replies queued and the
+engine's next RPC hangs. Errors here are the same on every worker (sessions fail collectively)::
+
+    call                 on failure
+    init (connect)       only the engine's last worker raises: vLLM reads every reply, reports the
+                         error and keeps serving; the model and the worker's state are as they were
+    update (a refit)     every worker returns normally (below); the trainer's session raised
+                         ``RefitError``, and the worker records what happened to its weights
+    update (broadcast)   only the last worker raises; the worker is poisoned
+
+A refit's ``update_weights`` does not raise because vLLM's worker keeps an update window (open
+from ``start_weight_update`` to ``finish_weight_update``) that it closes only on a worker whose
+call raised: raising on one worker would leave the window open on the others, and the engine's
+next update would fail there. Every worker returns alike, and the trainer closes the window with
+``finish_weight_update()`` without a version (vLLM's version stays).
+
+**Poisoned.** A refit that fails after bytes arrived leaves this worker's weights a mix of
+versions: the worker is *poisoned* (``state``, the session's destination state), logs an error
+naming the failed version, and stays poisoned, across reconnections too, until a refit commits
+on every rank. ``llm.collective_rpc(transfer_state)``
+(:func:`reshard.integrations.vllm.inspect.transfer_state`) reads every worker's state, and so does
+``collective_rpc("reshard_transfer_state")`` on an engine started with the worker extension
+:class:`~reshard.integrations.vllm.inspect.ReshardWorkerExtension` (an HTTP server's
+``/collective_rpc`` route included). A worker
+cannot stop its engine's scheduler: the trainer, which hears the same failure from its own
+session, gates the engine (:mod:`reshard.integrations.vllm.trainer`: paused, and an offline
+``LLM`` refuses requests) until a refit completes.
 """
 
 from __future__ import annotations
@@ -31,12 +52,15 @@ from datetime import timedelta
 import torch
 from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
                                                    WeightTransferUpdateInfo)
+from vllm.logger import init_logger
 
 from ...execution.group import Group
-from ...refit.session import AUTO, DEFAULT_BUCKET_BYTES, RefitSession
+from ...refit.session import AUTO, DEFAULT_BUCKET_BYTES, POISONED, READY, UPDATING, RefitSession
 from .broadcast import BROADCAST, receive_broadcast
 from .broadcast import DEFAULT_BUCKET_BYTES as BROADCAST_BUCKET_BYTES
 from .model import VLLMModelSide, redo_cpu_moe_packing
+
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger: its format (worker pid) and VLLM_LOGGING_LEVEL
 
 
 @dataclass(kw_only=True)
@@ -81,6 +105,11 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardWeightTransferInit
         self._reload_pending = False
         self.last_stats = None
         self.last_error: Exception | None = None
+        self.rank: int | None = None  # this worker's rank in the refit group (set at init)
+        self.state = READY  # "ready", "updating" or "poisoned" (see module doc)
+        self.version: str | None = None  # the last version a refit committed here (None after a broadcast)
+        self.failed_version: str | None = None  # while poisoned: the version whose refit failed
+        self.error: str | None = None  # while poisoned: why
 
     def init_transfer_engine(self, init_info: ReshardWeightTransferInitInfo) -> None:
         """Connect to a trainer; a new connection replaces the one of the same kind (a refit session,
@@ -88,7 +117,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardWeightTransferInit
         from vllm.distributed import get_tensor_model_parallel_rank
 
         first = init_info.rank_offsets[init_info.engine_index]
-        rank = first + get_tensor_model_parallel_rank()
+        rank = self.rank = first + get_tensor_model_parallel_rank()
         timeout = timedelta(seconds=init_info.timeout_s)
         if init_info.method == BROADCAST:
             self._close(broadcast=True)
@@ -125,14 +154,51 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardWeightTransferInit
             redo_cpu_moe_packing(self.model)
             initialize_layerwise_reload(self.model)
             self._reload_pending = True
+            before, self.state = self.state, UPDATING
             with self._last_worker_raises():
                 group, bucket_bytes = self.broadcast
-                self.last_stats = receive_broadcast(self.model, group, update_info, bucket_bytes)
+                try:
+                    self.last_stats = receive_broadcast(self.model, group, update_info, bucket_bytes)
+                except Exception as e:
+                    self._failed("a broadcast update", None, e, poisoned=True)
+                    raise
+                self._committed(None, before)  # the version is vLLM's, recorded at finish
             return
         if self.session is None:
             raise RuntimeError("a refit arrived, but no reshard trainer is connected")
-        with self._last_worker_raises():
+        before, self.state = self.state, UPDATING
+        try:
             self.last_stats = self.session.refit(update_info.version)
+        except Exception as e:  # noqa: BLE001 - every rank of the session raised it; see module doc
+            self.last_error = e
+            poisoned = before == POISONED or getattr(self.session, "state", POISONED) != READY
+            if not poisoned:
+                self.state = before
+            self._failed(f"refit to version {update_info.version!r}", update_info.version, e, poisoned=poisoned)
+            return
+        self._committed(update_info.version, before)
+
+    def _committed(self, version: str | None, before: str) -> None:
+        if before == POISONED:
+            logger.info("reshard: rank %s is ready again at version %r (it was poisoned by the failed refit to "
+                        "version %r)", self.rank, version, self.failed_version)
+        self.state, self.version, self.failed_version, self.error = READY, version, None, None
+
+    def _failed(self, what: str, version: str | None, error: Exception, *, poisoned: bool) -> None:
+        if not poisoned:
+            logger.warning("reshard: rank %s: %s failed before any byte reached this worker (%s); it keeps version "
+                           "%r", self.rank, what, error, self.version)
+            return
+        self.state, self.failed_version, self.error = POISONED, version, f"{type(error).__name__}: {error}"
+        logger.error("reshard: rank %s is POISONED: %s failed (%s); its weights may mix versions and must not be "
+                     "served until a refit completes (last complete version: %r)", self.rank, what, self.error,
+                     self.version)
+
+    def transfer_state(self) -> dict:
+        """This worker's refit state (plain data; :func:`~reshard.integrations.vllm.inspect.transfer_state`
+        reads it through ``collective_rpc``)."""
+        return {"rank": self.rank, "state": self.state, "version": self.version,
+                "failed_version": self.failed_version, "error": self.error, "connected": self.session is not None}
 
     def finish_weight_update(self) -> None:
         if self._reload_pending:
@@ -158,7 +224,10 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardWeightTransferInit
 
     def _close(self, *, session: bool = False, broadcast: bool = False) -> None:
         if session and self.session is not None:
-            self.session.close()
+            try:
+                self.session.close()
+            except Exception as e:  # noqa: BLE001 - a broken session's group: the new connection goes on
+                logger.warning("reshard: rank %s: closing the previous session: %s", self.rank, e)
             self.session = None
         if broadcast and self.broadcast is not None:
             self.broadcast[0].close()

@@ -5,6 +5,7 @@ The functions taking ``worker`` run inside each worker through ``llm.collective_
 
     digests = llm.collective_rpc(engine_digest)     # one hex digest per worker
     stats = llm.collective_rpc(refit_stats)          # the last refit's figures per worker
+    states = llm.collective_rpc(transfer_state)      # ready / updating / poisoned, per worker
 
 :func:`engine_tensors` includes the weights vLLM's CPU backend packed into its linear layers'
 closures (``named_parameters`` shows those layers' weights as empty), so two engines that compute
@@ -57,6 +58,25 @@ def refit_stats(worker) -> dict | None:
             "plan_id": id(session.plan) if session else None, "rss_mb": memory()["rss_mb"]}
 
 
+def transfer_state(worker) -> dict | None:
+    """The worker's refit state (``None`` without the ``reshard`` backend): its refit rank, ``state``
+    (``"ready"``, ``"updating"`` or ``"poisoned"``), ``version`` (the last one a refit committed there),
+    and while poisoned ``failed_version`` and ``error``; ``connected`` (a trainer session is open)."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    describe = getattr(engine, "transfer_state", None)
+    return describe() if callable(describe) else None
+
+
+class ReshardWorkerExtension:
+    """A vLLM worker extension (``LLM(..., worker_extension_cls="reshard.integrations.vllm.inspect.
+    ReshardWorkerExtension")``) that names :func:`transfer_state` as a worker method:
+    ``collective_rpc("reshard_transfer_state")`` then needs no pickled function, so an HTTP server's
+    ``/collective_rpc`` route (``VLLM_SERVER_DEV_MODE=1``) answers it too."""
+
+    def reshard_transfer_state(self) -> dict | None:
+        return transfer_state(self)
+
+
 def memory(reset_peak: bool = False) -> dict[str, float]:
     """This process's resident memory and its peak since the last reset (Linux), in MiB; with
     ``reset_peak`` the peak starts again from now."""
@@ -83,4 +103,5 @@ def close_engine(llm) -> None:
     llm.llm_engine.engine_core.shutdown()
 
 
-__all__ = ["close_engine", "engine_digest", "engine_tensors", "memory", "refit_stats", "worker_memory"]
+__all__ = ["ReshardWorkerExtension", "close_engine", "engine_digest", "engine_tensors", "memory", "refit_stats",
+           "transfer_state", "worker_memory"]
