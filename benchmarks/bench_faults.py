@@ -31,6 +31,28 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from reshard.apps.fault_suite import Driver, random_scenario, summary  # noqa: E402
 
 
+def print_figures(console: Console, figures: dict, title: str) -> None:
+    """The suite's figures (:func:`~reshard.apps.fault_suite.summary`) and its outcomes, as two tables."""
+    table = Table(title=title)
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for key, value in figures.items():
+        if key == "outcomes":
+            continue
+        if isinstance(value, tuple):
+            value = " / ".join(f"{v:.3f}" for v in value)
+        elif isinstance(value, float):
+            value = f"{value:.3f}"
+        table.add_row(key, str(value))
+    console.print(table)
+    results = Table(title="what the scenarios came to")
+    results.add_column("outcome")
+    results.add_column("scenarios", justify="right")
+    for key, n in figures["outcomes"].items():
+        results.add_row(key, str(n))
+    console.print(results)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--scenarios", type=int, default=200)
@@ -58,25 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         driver.close()
     figures = summary(outcomes)
-    table = Table(title=f"fault injection: {len(outcomes)} scenarios, timeout {args.timeout:g} s, "
-                        f"{time.time() - start:.0f} s wall (measured)")
-    table.add_column("figure")
-    table.add_column("value", justify="right")
-    for key, value in figures.items():
-        if key == "outcomes":
-            continue
-        if isinstance(value, tuple):
-            value = " / ".join(f"{v:.3f}" for v in value)
-        elif isinstance(value, float):
-            value = f"{value:.3f}"
-        table.add_row(key, str(value))
-    console.print(table)
-    results = Table(title="what the scenarios came to")
-    results.add_column("outcome")
-    results.add_column("scenarios", justify="right")
-    for key, n in figures["outcomes"].items():
-        results.add_row(key, str(n))
-    console.print(results)
+    print_figures(console, figures, f"fault injection: {len(outcomes)} scenarios, timeout {args.timeout:g} s, "
+                                    f"{time.time() - start:.0f} s wall (measured)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"summary": figures, "scenarios": [

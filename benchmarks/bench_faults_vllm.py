@@ -576,7 +576,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--scenarios and --tp must be >= 1, --timeout in (0, 300]")
     _environment()
     from rich.console import Console
-    from rich.table import Table
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_faults import print_figures
 
     console = Console()
     rng = random.Random(args.seed)
@@ -610,26 +612,10 @@ def main(argv: list[str] | None = None) -> int:
             closing.start()
             closing.join(60)
     figures = summary(outcomes)
-    table = Table(title=f"fault injection, vLLM backend (TP={args.tp}, 2 trainer ranks): {len(outcomes)} scenarios, "
-                        f"timeout {args.timeout:g} s, stall {suite.stall_s:g} s, checksum {'on' if args.checksum else 'off'}, "
-                        f"{time.time() - start:.0f} s wall (measured)")
-    table.add_column("figure")
-    table.add_column("value", justify="right")
-    for key, value in figures.items():
-        if key == "outcomes":
-            continue
-        if isinstance(value, tuple):
-            value = " / ".join(f"{v:.3f}" for v in value)
-        elif isinstance(value, float):
-            value = f"{value:.3f}"
-        table.add_row(key, str(value))
-    console.print(table)
-    results = Table(title="what the scenarios came to")
-    results.add_column("outcome")
-    results.add_column("scenarios", justify="right")
-    for key, n in figures["outcomes"].items():
-        results.add_row(key, str(n))
-    console.print(results)
+    print_figures(console, figures, f"fault injection, vLLM backend (TP={args.tp}, 2 trainer ranks): "
+                                    f"{len(outcomes)} scenarios, timeout {args.timeout:g} s, stall {suite.stall_s:g} s, "
+                                    f"checksum {'on' if args.checksum else 'off'}, {time.time() - start:.0f} s wall "
+                                    f"(measured)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"summary": figures, "scenarios": [
