@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 CORE   := $(VENV)/.installed-core
 TEST   := $(VENV)/.installed-test
 
-.PHONY: demo test bench bench-scale bench-cost bench-vllm bench-soak bench-faults example-vllm clean
+.PHONY: demo test bench bench-scale bench-cost bench-vllm bench-soak bench-faults bench-checksum example-vllm clean
 
 $(CORE): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -40,11 +40,15 @@ bench-scale: $(CORE)
 bench-soak: $(CORE)
 	$(PY) benchmarks/bench_soak.py
 
-# calibrate the cost model's cpu topology here, then compare it with real gloo refits
+# the same refit with and without an xxh3-64 digest per message
+bench-checksum: $(CORE)
+	$(PY) benchmarks/bench_checksum.py
+
 # randomized faults (kill, stall, raise, corrupt) in refits over real processes: hangs, corruptions, torn models
 bench-faults: $(CORE)
 	$(PY) benchmarks/bench_faults.py
 
+# calibrate the cost model's cpu topology here, then compare it with real gloo refits
 bench-cost: $(CORE)
 	$(PY) benchmarks/bench_cost.py
 

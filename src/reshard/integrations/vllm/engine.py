@@ -76,6 +76,7 @@ class ReshardWeightTransferInitInfo(WeightTransferInitInfo):
     bucket_bytes: int | None = None  # "broadcast": bytes per broadcast bucket
     timeout_s: float = 300.0
     comm_backend: str | None = None  # "gloo" or "nccl"; default: nccl when CUDA is available
+    checksum: bool = False  # an xxh3-64 digest per message, checked on arrival (every rank must agree)
 
     def __post_init__(self) -> None:
         if not 0 <= self.engine_index < len(self.rank_offsets):
@@ -136,7 +137,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardWeightTransferInit
             self.session = RefitSession.connect(
                 destination=side, store_addr=init_info.store_addr, rank=rank, world_size=init_info.world_size,
                 backend=init_info.comm_backend, timeout=timeout, method=init_info.method,
-                max_bucket_bytes=init_info.max_bucket_bytes, failure=failure)
+                max_bucket_bytes=init_info.max_bucket_bytes, checksum=init_info.checksum, failure=failure)
 
     def start_weight_update(self) -> None:
         if self.session is None and self.broadcast is None:

@@ -106,6 +106,7 @@ class ReshardTrainerInitInfo(TrainerInitInfo):
     timeout_s: float = 300.0  # bounds every wait of the session
     comm_backend: str | None = None  # "gloo" or "nccl"; default: nccl when CUDA is available
     pause_mode: str | None = "keep"  # vLLM's pause mode around each refit ("abort", "wait", "keep"), or None
+    checksum: bool = False  # an xxh3-64 digest per message, checked on arrival (catches corruption on the wire)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.num_trainer_ranks < self.world_size:
@@ -136,7 +137,7 @@ class ReshardTrainerInitInfo(TrainerInitInfo):
         return {"store_addr": f"{self.master_address}:{self.master_port}", "world_size": self.world_size,
                 "rank_offsets": self.rank_offsets, "method": self.method,
                 "max_bucket_bytes": self.max_bucket_bytes, "timeout_s": self.timeout_s,
-                "comm_backend": self.comm_backend}
+                "comm_backend": self.comm_backend, "checksum": self.checksum}
 
 
 def _check_pause_mode(mode: str | None) -> None:
@@ -409,7 +410,7 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
             self.session = RefitSession.connect(
                 source=side, store_addr=f"{info.master_address}:{info.master_port}", rank=info.rank,
                 world_size=info.world_size, backend=info.comm_backend, timeout=timedelta(seconds=info.timeout_s),
-                method=info.method, max_bucket_bytes=info.max_bucket_bytes)
+                method=info.method, max_bucket_bytes=info.max_bucket_bytes, checksum=info.checksum)
 
     def reconnect(self, init_info: ReshardTrainerInitInfo | None = None, *,
                   client: VLLMWeightSyncClient | None = None) -> None:
