@@ -5,9 +5,9 @@ import torch
 
 import reshard as rs
 from reshard import verify
-from reshard.apps.cli import build_parser, main, model_from_args
-from reshard.apps.demo import DemoConfig, failures, run_demo
-from reshard.execution.methods import GATHER_BROADCAST, HIERARCHICAL, RESHARD, round_cap
+from reshard.apps.cli import build_parser, demo_config, main, model_from_args
+from reshard.apps.demo import DemoConfig, failures, hybrid_line, preflight, run_demo
+from reshard.execution.methods import GATHER_BROADCAST, HIERARCHICAL, HYBRID, RESHARD, method_plan, round_cap
 from reshard.frameworks.parallel import model_layouts
 from reshard.models import DEMO_MODEL, Arch, get_arch, model_specs
 
@@ -113,6 +113,25 @@ def test_cli_parses_every_option_and_scales_the_model():
     assert main(["demo", "--tp", "3"]) == 2  # 16 heads do not divide by 3: refused before spawning
 
 
+def test_cli_hybrid_method_and_its_rule():
+    args = build_parser().parse_args(["demo", "--layers", "2", "--methods", "reshard,hybrid,gather-broadcast",
+                                      "--hybrid-patterns", r"mlp\.,self_attn\.o_proj"])
+    cfg = demo_config(args)
+    assert cfg.methods == (RESHARD, HYBRID, GATHER_BROADCAST)
+    assert cfg.hybrid_patterns == (r"mlp\.", r"self_attn\.o_proj")
+    assert cfg.hybrid_rule("model.layers.0.self_attn.o_proj.weight") and not cfg.hybrid_rule("lm_head.weight")
+    assert demo_config(build_parser().parse_args(["demo", "--methods", "hybrid", "--hybrid-patterns", ""])
+                       ).hybrid_patterns == ()  # nothing by reshard: all by gather-broadcast
+    assert main(["demo", "--hybrid-patterns", "experts"]) == 2  # without the hybrid method
+    assert main(["demo", "--methods", "hybrid", "--hybrid-patterns", "(", "--layers", "1"]) == 2  # not a regex
+    with pytest.raises(ValueError, match="add hybrid to the methods"):
+        preflight(DemoConfig(model=TINY, train="fsdp:dp2", infer="dtensor:tp2", hybrid_patterns=("mlp",)))
+    line = hybrid_line({"phases": ["transfer", "gather-broadcast"], "rule": "patterns:mlp", "reshard_tensors": 3,
+                        "broadcast_tensors": 5, "part_bytes": {"reshard": 2e6, "gather": 1e6, "broadcast": 4e6}}, 10**8)
+    assert line == ("hybrid (transfer -> gather-broadcast; rule patterns:mlp): 3 tensors by reshard (2.000 MB on the "
+                    "wire), 5 by gather-broadcast (1.000 MB gathered, 4.000 MB broadcast)")
+
+
 @pytest.mark.slow
 def test_demo_end_to_end_both_methods_bit_exact():
     cfg = DemoConfig(model=TINY, train="fsdp:dp3", infer="dtensor:tp2", max_bucket_bytes=16 << 10, progress=False)
@@ -135,9 +154,10 @@ def test_demo_end_to_end_both_methods_bit_exact():
 
 @pytest.mark.slow
 def test_demo_named_model_megatron_moe_to_vllm_bit_exact():
-    """A tiny random Qwen3-MoE: Megatron tp1,ep2 on ranks 0-1 -> vLLM tp2 on ranks 2-3, both executors."""
+    """A tiny random Qwen3-MoE: Megatron tp1,ep2 on ranks 0-1 -> vLLM tp2 on ranks 2-3, every executor
+    but the hierarchical one (the hybrid: experts by reshard, the rest by gather-broadcast)."""
     cfg = DemoConfig(model="qwen3-30b-a3b", tiny=True, train="tp1,ep2", infer="tp2", max_bucket_bytes=64 << 10,
-                     progress=False)
+                     progress=False, methods=(RESHARD, HYBRID, GATHER_BROADCAST))
     arch = cfg.arch
     assert arch.family == "qwen3_moe" and arch.experts == 8 and arch.num_params < 1e6
     lay = cfg.layouts()
@@ -145,12 +165,17 @@ def test_demo_named_model_megatron_moe_to_vllm_bit_exact():
     assert "model.layers.1.mlp.experts.7.down_proj.weight" in {s.name for s in lay.specs}
     res = run_demo(cfg)
     assert failures(res) == []
-    assert set(res["methods"]) == {RESHARD, GATHER_BROADCAST}
+    assert list(res["methods"]) == [RESHARD, HYBRID, GATHER_BROADCAST]
     plan = rs.plan(lay.source, lay.destination, max_bucket_bytes=round_cap(cfg.max_bucket_bytes))
     assert res["plan"]["fingerprint"] == plan.fingerprint()
     assert res["methods"][RESHARD]["wire_bytes"] == plan.wire_bytes == res["plan"]["wire_bytes"]
     gb = rs.gather_broadcast_bytes(plan)
     assert res["methods"][GATHER_BROADCAST]["wire_bytes"] == gb["gather"] + gb["broadcast"]
+    hy, h = res["methods"][HYBRID], method_plan(HYBRID, lay.source, lay.destination, max_bucket_bytes=64 << 10)
+    assert hy["wire_bytes"] == h.wire_bytes and hy["part_bytes"] == h.part_bytes()
+    assert plan.wire_bytes < h.wire_bytes < gb["gather"] + gb["broadcast"]
+    assert hy["phases"] == ["transfer", "gather-broadcast"] and hy["reshard_tensors"] == len(h.reshard_tensors) > 0
+    assert all("experts" in n or "mlp" in n for n in h.reshard_tensors)
     c = res["config"]
     assert (c["model"], c["train"], c["infer"], c["sources"], c["destinations"]) == \
         ("tiny qwen3-30b-a3b", "megatron tp1,ep2", "vllm tp2", 2, 2)

@@ -67,3 +67,17 @@ def test_gather_broadcast_variants(moe):
     assert fair.pipelined and fair.seconds < naive.seconds and math.isfinite(fair.seconds)
     with pytest.raises(ValueError, match="variant"):
         moe.gather_broadcast(variant="best")
+
+
+def test_the_executor_method_and_the_cost_model_split_alike(moe):
+    """The ``hybrid`` method's plan moves by reshard exactly the tensors the cost model's hybrid
+    counts as reshard, for the default rule and a changed one."""
+    from reshard.planning.hybrid import HybridPlan
+
+    for rule in (None, HybridRule(patterns=(r"experts",))):
+        plan = HybridPlan(moe.source, moe.destination, rule)
+        note = moe.hybrid(rule=rule).notes[-1]
+        assert note.startswith(f"{len(plan.reshard_tensors)} tensors by reshard, {len(plan.broadcast_tensors)} by "
+                               f"packed broadcast"), note
+        by_reshard, _ = split_layout(moe.destination, rule)
+        assert set(plan.reshard_tensors) == {n for n, t in by_reshard.tables.items() if len(t)}

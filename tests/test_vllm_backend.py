@@ -14,6 +14,8 @@ weight-sync client. After real optimizer steps and one refit per step:
   error naming the tensor, and the engine keeps serving its old weights at its old version;
 * the baseline path (``gloo_broadcast``: full tensors from trainer rank 0 into ``load_weights``) into
   the same engines leaves every byte as the refits did.
+* the ``hybrid`` method (FFN and experts by reshard, the rest by gather-and-broadcast, one session)
+  writes every byte too (after a refit of zeros) and leaves the engines as the refits did.
 
 Dense Qwen3 into one TP=2 engine; Qwen3-MoE into two TP=1 engines (``EngineGroup``).
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -82,14 +85,14 @@ def _refits(job_rank, model, opt, engines, ckpt, kind, engine_tps, out_dir):
     from vllm_helpers import refit_stats
 
     trainers, workers = 2, sum(engine_tps)
-    ports, client = [0] * 4, None
+    ports, client = [0] * 5, None
     if job_rank == 0:
         for tp in engine_tps:
             engines.append(_engine(ckpt, tp))
         client = engines[0] if len(engines) == 1 else EngineGroup(engines)
         before = [_generate(e) for e in engines]
         old_versions = [e.get_weight_version() for e in engines]
-        ports = [free_port() for _ in range(4)]
+        ports = [free_port() for _ in range(5)]
     dist.broadcast_object_list(ports, src=0)
 
     def info(port):
@@ -136,6 +139,23 @@ def _refits(job_rank, model, opt, engines, ckpt, kind, engine_tps, out_dir):
     if job_rank == 0:
         assert [e.collective_rpc(engine_digest) for e in engines] == digests
         assert [e.get_weight_version() for e in engines] == ["broadcast"] * len(engines)
+    # the hybrid method (FFN and experts by reshard, the rest by gather-and-broadcast) leaves the same bytes
+    engine.reconnect(replace(info(ports.pop()), method="hybrid"))
+    assert engine.session.plan.reshard_tensors and engine.session.plan.broadcast_tensors
+    saved = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    engine.send_weights(weight_version="zeros")  # so that the next refit must write every byte
+    if job_rank == 0:
+        assert [e.collective_rpc(engine_digest) for e in engines] != digests
+    with torch.no_grad():
+        for p, s in zip(model.parameters(), saved):
+            p.copy_(s)
+    engine.send_weights(weight_version="hybrid")
+    if job_rank == 0:
+        assert [e.collective_rpc(engine_digest) for e in engines] == digests
+        assert [e.get_weight_version() for e in engines] == ["hybrid"] * len(engines)
     engine.shutdown()
     if job_rank == 0:
         _compare_with_fresh_engine(engines, before, stats, full, kind, engine_tps, out_dir)

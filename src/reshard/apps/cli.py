@@ -213,7 +213,13 @@ def _demo_parser(sub) -> argparse.ArgumentParser:
                    help="seed of the test values written into the source buffers (default %(default)s)")
     r.add_argument("--methods", default="reshard,gather-broadcast",
                    help="comma-separated methods to run, in order, of: reshard, gather-broadcast, hierarchical "
-                        "(reshard in phases over pretend NVLink domains, see --domain-size) (default %(default)s)")
+                        "(reshard in phases over pretend NVLink domains, see --domain-size), hybrid (the tensors "
+                        "--hybrid-patterns picks by reshard, the others by gather-broadcast) (default %(default)s)")
+    r.add_argument("--hybrid-patterns", default=None, metavar="REGEX,...",
+                   help="for the hybrid method: comma-separated regular expressions; a tensor whose name matches "
+                        "one (re.search) goes by reshard, the others by gather-broadcast; an empty string sends "
+                        "everything by gather-broadcast (default: FFN and expert weights, "
+                        "reshard.planning.hybrid.FFN_PATTERNS)")
     r.add_argument("--domain-size", type=_nonnegative, default=0, metavar="K",
                    help="for the hierarchical method: pretend NVLink domains of K consecutive ranks, inference "
                         "ranks starting a fresh domain; 0 puts all inference ranks in one (default %(default)s)")
@@ -250,10 +256,15 @@ def demo_config(args):
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:
         raise SystemExit(f"reshard demo: unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
+    patterns = getattr(args, "hybrid_patterns", None)
+    if patterns is not None:
+        if "hybrid" not in methods:
+            raise SystemExit("reshard demo: --hybrid-patterns is the rule of the hybrid method; add hybrid to --methods")
+        patterns = tuple(p.strip() for p in patterns.split(",") if p.strip())
     cap = cap_bytes(args.max_bucket_mb, "--max-bucket-mb")
     common = dict(colocate=args.colocate, source_dtype=DTYPES[args.source_dtype] if args.source_dtype else None,
                   max_bucket_bytes=cap, repeat=args.repeat, seed=args.seed,
-                  methods=methods, progress=not args.quiet, domain_size=args.domain_size)
+                  methods=methods, progress=not args.quiet, domain_size=args.domain_size, hybrid_patterns=patterns)
     if args.model is None:  # the built-in demo: FSDP2 training, torch tensor parallel inference replicas
         given = [f"--{o}" for o in ("train", "infer") if getattr(args, o) is not None]
         if given:

@@ -27,11 +27,12 @@ import torch
 import torch.distributed as dist
 
 from .. import verify
-from ..execution.methods import GATHER_BROADCAST, HIERARCHICAL, RESHARD, method_executor, method_plan
+from ..execution.methods import GATHER_BROADCAST, HIERARCHICAL, HYBRID, RESHARD, method_executor, method_plan
 from ..execution.process_group import spawn
 from ..frameworks.parallel import ModelLayouts, model_layouts
 from ..models.arch import DEMO_MODEL, Arch, get_arch, tiny_arch
 from ..planning.hierarchy import cross_domain_bytes
+from ..planning.hybrid import HybridRule
 
 DEFAULT_METHODS = (RESHARD, GATHER_BROADCAST)
 MiB = 1 << 20
@@ -56,6 +57,9 @@ class DemoConfig:
     # pretend NVLink domains of this many consecutive ranks for the hierarchical method (inference
     # ranks start a fresh domain); 0: all inference ranks in one domain
     domain_size: int = 0
+    # the hybrid method's rule: tensors whose name matches one of these regular expressions go by
+    # reshard, the others by gather-and-broadcast (None: HybridRule's default, FFN and expert weights)
+    hybrid_patterns: tuple[str, ...] | None = None
 
     @property
     def arch(self) -> Arch:
@@ -64,6 +68,11 @@ class DemoConfig:
         if self.tiny:
             a = tiny_arch(a)
         return a.with_overrides(**dict(self.arch_overrides))
+
+    @property
+    def hybrid_rule(self) -> HybridRule | None:
+        """The hybrid method's rule (None: the default); ``ValueError`` for a pattern that is no regex."""
+        return None if self.hybrid_patterns is None else HybridRule(patterns=tuple(self.hybrid_patterns))
 
     @property
     def model_name(self) -> str:
@@ -149,9 +158,15 @@ def _refit(rank: int, world: int, cfg: DemoConfig, lay: ModelLayouts, ph: _Phase
     domains = demo_domains(lay, cfg.domain_size)
     for method in cfg.methods:
         t = time.perf_counter()
-        mplan = plan if method != HIERARCHICAL else method_plan(
-            method, lay.source, lay.destination, max_bucket_bytes=cfg.max_bucket_bytes, domains=domains)
-        ex = method_executor(method, mplan)
+        if method == HIERARCHICAL:
+            mplan = method_plan(method, lay.source, lay.destination, max_bucket_bytes=cfg.max_bucket_bytes,
+                                domains=domains)
+        elif method == HYBRID:
+            mplan = method_plan(method, lay.source, lay.destination, max_bucket_bytes=cfg.max_bucket_bytes,
+                                rule=cfg.hybrid_rule)
+        else:
+            mplan = plan
+        ex = method_executor(method, mplan)  # collective for gather-broadcast and hybrid (subgroups)
         setup_s = time.perf_counter() - t
 
         def one_run():
@@ -169,13 +184,18 @@ def _refit(rank: int, world: int, cfg: DemoConfig, lay: ModelLayouts, ph: _Phase
             bad += ph.run(f"verify after {method}{n}",
                           lambda: verify.check_destination(lay.destination, rank, dst_bufs, seed=cfg.seed),
                           f"verify after {method}")
+        ex.close()
         seen: list = [None] * world
         dist.all_gather_object(seen, (rank, setup_s, [(w, asdict(s)) for w, s in reps], bad))
         methods[method] = _method_summary(seen, lay, cfg.repeat)
-        if method != GATHER_BROADCAST:
+        if method in (RESHARD, HIERARCHICAL):
             methods[method]["cross_domain_bytes"] = sum(
                 sum(cross_domain_bytes(p.pair_bytes, domains).values()) for p in mplan.phases)
             methods[method]["phases"] = mplan.phase_names
+        elif method == HYBRID:
+            methods[method].update(phases=mplan.phase_names, rule=mplan.rule.key, part_bytes=mplan.part_bytes(),
+                                   reshard_tensors=len(mplan.reshard_tensors),
+                                   broadcast_tensors=len(mplan.broadcast_tensors))
     peak_dst = max((largest_piece_bytes(lay, r) for r in lay.destination_ranks), default=0)
     part = plan.for_rank(rank)
     largest_copy = max((c.nbytes for m in part.sends + part.recvs for c in m.copies), default=0)
@@ -243,7 +263,7 @@ def _config_dict(cfg: DemoConfig, lay: ModelLayouts) -> dict:
         "source_dtype": str(cfg.source_dtype or a.dtype).removeprefix("torch."),
         "params": sum(s.numel for s in lay.specs), "model_bytes": sum(s.nbytes for s in lay.specs),
         "repeat": cfg.repeat, "seed": cfg.seed, "max_bucket_bytes": cfg.max_bucket_bytes,
-        "domain_size": cfg.domain_size,
+        "domain_size": cfg.domain_size, "hybrid_patterns": cfg.hybrid_patterns,
     }
 
 
@@ -328,6 +348,12 @@ def preflight(cfg: DemoConfig, lay: ModelLayouts | None = None) -> ModelLayouts:
     bad = [m for m in cfg.methods if m not in METHODS]
     if bad or not cfg.methods:
         raise ValueError(f"unknown method(s) {bad}; choose from {', '.join(METHODS)}")
+    if cfg.hybrid_patterns is not None:
+        if HYBRID not in cfg.methods:
+            raise ValueError("hybrid_patterns is the rule of the hybrid method: add hybrid to the methods")
+        if isinstance(cfg.hybrid_patterns, str):
+            raise ValueError(f"hybrid_patterns must be a tuple of regular expressions, got {cfg.hybrid_patterns!r}")
+        _ = cfg.hybrid_rule  # a pattern that is no regular expression raises ValueError, naming it
     check_max_bucket_bytes(cfg.max_bucket_bytes)
     checked_int(cfg.repeat, "repeat", minimum=1)
     checked_int(cfg.seed, "seed")
@@ -353,8 +379,12 @@ def preflight(cfg: DemoConfig, lay: ModelLayouts | None = None) -> ModelLayouts:
     for method in dict.fromkeys(cfg.methods):
         if method == GATHER_BROADCAST:
             continue
-        p = method_plan(method, lay.source, lay.destination, domains=domains)
-        need = max(ph.min_bucket_bytes for ph in p.phases)
+        if method == HYBRID:  # only its reshard part runs in rounds
+            h = method_plan(method, lay.source, lay.destination, rule=cfg.hybrid_rule)
+            phases = h.reshard.phases if h.reshard is not None else []
+        else:
+            phases = method_plan(method, lay.source, lay.destination, domains=domains).phases
+        need = max((ph.min_bucket_bytes for ph in phases), default=0)
         cap = round_cap(cfg.max_bucket_bytes)
         if cap is not None and cap < need:
             raise ValueError(f"max_bucket_bytes={cfg.max_bucket_bytes} is too small for the {method} plan: its "
@@ -449,6 +479,16 @@ def plan_line(result: dict) -> str:
             f"planner {p['planner_s'] * 1e3:.1f} ms, staging cap {_mib(p['max_bucket_bytes'])}")
 
 
+def hybrid_line(h: dict, model_bytes: int) -> str:
+    """What the hybrid sent each way, in one line."""
+    scale, unit = (1e6, "MB") if model_bytes < 1e9 else (1e9, "GB")
+    b = h["part_bytes"]
+    rule = "the default rule, FFN and expert weights" if h["rule"] == HybridRule().key else f"rule {h['rule']}"
+    return (f"hybrid ({' -> '.join(h['phases'])}; {rule}): {h['reshard_tensors']} tensors by reshard "
+            f"({b['reshard'] / scale:.3f} {unit} on the wire), {h['broadcast_tensors']} by gather-broadcast "
+            f"({b['gather'] / scale:.3f} {unit} gathered, {b['broadcast'] / scale:.3f} {unit} broadcast)")
+
+
 def print_report(result: dict, console=None) -> None:
     from rich.console import Console
 
@@ -469,6 +509,9 @@ def print_report(result: dict, console=None) -> None:
             line += (f"; reshard without domains sends {direct['cross_domain_bytes'] / scale:.3f} {unit} "
                      f"between them")
         console.print(line, highlight=False)
+    hy = result["methods"].get(HYBRID)
+    if hy is not None:
+        console.print(hybrid_line(hy, result["config"]["model_bytes"]), highlight=False)
     bad = failures(result)
     if bad:
         console.print(f"[bold red]VERIFICATION FAILED[/]: {len(bad)} mismatching pieces")

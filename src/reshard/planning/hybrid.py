@@ -3,8 +3,10 @@
 NeMo RL ships a hybrid of the two methods: the FFN / expert weights (most of an MoE model's bytes,
 sharded differently on each side) go by reshard, everything else (attention, norms, routers,
 embeddings: small, often replicated) by the packed broadcast. :class:`HybridRule` is that choice,
-a predicate on tensor names; :func:`split_layout` cuts a layout in two by it. The cost model
-(:meth:`reshard.modeling.pipeline.RefitModel.hybrid`) and an executor method use the same rule,
+a predicate on tensor names; :func:`split_layout` cuts a layout in two by it; :class:`HybridPlan`
+plans both parts (the ``hybrid`` method of :mod:`reshard.execution.methods`, run by
+:class:`~reshard.execution.hybrid.HybridExecutor`). The cost model
+(:meth:`reshard.modeling.pipeline.RefitModel.hybrid`) and the executor method use the same rule,
 so changing the rule here changes both.
 
 Default rule (a name matching any pattern goes by reshard)::
@@ -31,11 +33,18 @@ Pure: no process group, no device.
 
 from __future__ import annotations
 
+import hashlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Mapping
 
 from ..layout import Layout
+from .baseline import default_root, gather_broadcast_bytes
+from .hierarchy import HierarchicalPlan, hierarchical_plan
+from .plan import Plan, check_pair
+
+HYBRID_PLAN_FORMAT = 1
 
 #: Hugging Face / vLLM / Megatron names of FFN and expert weights (regular expressions, searched)
 FFN_PATTERNS: tuple[str, ...] = (
@@ -62,12 +71,60 @@ class HybridRule:
     _compiled: tuple = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_compiled", tuple(re.compile(p) for p in self.patterns))
+        if isinstance(self.patterns, str) or not isinstance(self.patterns, Iterable):
+            raise ValueError(f"HybridRule patterns must be a list of regular expressions, got {self.patterns!r}")
+        object.__setattr__(self, "patterns", tuple(self.patterns))
+        compiled = []
+        for p in self.patterns:
+            if not isinstance(p, str):
+                raise ValueError(f"HybridRule pattern {p!r} is not a string")
+            try:
+                compiled.append(re.compile(p))
+            except re.error as e:
+                raise ValueError(f"HybridRule pattern {p!r} is not a regular expression: {e}") from None
+        object.__setattr__(self, "_compiled", tuple(compiled))
+        if self.predicate is not None and not callable(self.predicate):
+            raise ValueError(f"HybridRule predicate must be callable, got {self.predicate!r}")
 
     def __call__(self, name: str) -> bool:
         if self.predicate is not None:
             return bool(self.predicate(name))
         return any(p.search(name) for p in self._compiled)
+
+    @property
+    def key(self) -> str:
+        """What identifies the rule across processes (in plan fingerprints and executor options): its
+        patterns, or its predicate's qualified name (a predicate's code cannot be compared).
+
+        >>> HybridRule(patterns=("experts", "mlp")).key
+        'patterns:experts|mlp'
+        """
+        if self.predicate is None:
+            return "patterns:" + "|".join(self.patterns)
+        p = self.predicate
+        return f"predicate:{getattr(p, '__module__', '?')}.{getattr(p, '__qualname__', type(p).__qualname__)}"
+
+
+#: the rule that picks no tensor: the hybrid degenerates to gather-and-broadcast
+BROADCAST_ONLY = HybridRule(patterns=())
+
+
+def as_rule(rule) -> HybridRule | None:
+    """``rule`` as a :class:`HybridRule`: a rule, a list of regular expressions, or a predicate on names
+    (``None`` stays ``None``: the default rule). Raises ``ValueError`` naming what is wrong.
+
+    >>> as_rule(["experts"]) == HybridRule(patterns=("experts",)), as_rule(None)
+    (True, None)
+    """
+    if rule is None or isinstance(rule, HybridRule):
+        return rule
+    if isinstance(rule, str):
+        raise ValueError(f"hybrid rule {rule!r}: give a list of regular expressions, e.g. [{rule!r}]")
+    if callable(rule):
+        return HybridRule(predicate=rule)
+    if isinstance(rule, Iterable):
+        return HybridRule(patterns=tuple(rule))
+    raise ValueError(f"hybrid rule {rule!r}: expected a HybridRule, a list of regular expressions or a predicate")
 
 
 def tensor_subset(layout: Layout, names) -> Layout:
@@ -97,4 +154,104 @@ def split_layout(layout: Layout, rule: Callable[[str], bool] | None = None) -> t
     return tensor_subset(layout, by_reshard), tensor_subset(layout, [n for n in layout.specs if n not in chosen])
 
 
-__all__ = ["FFN_PATTERNS", "HybridRule", "split_layout", "tensor_subset"]
+def _holds_any(layout: Layout) -> bool:
+    return any(len(t) for t in layout.tables.values())
+
+
+class HybridPlan:
+    """The hybrid refit of ``destination`` from ``source``: the tensors ``rule`` picks (default
+    :class:`HybridRule`) by reshard, the others by gather-and-broadcast, one after the other, both
+    into the destination's buffers (a :class:`~reshard.planning.plan.PhasedPlan`).
+
+    ``reshard``: the plan of the picked tensors (hierarchical over ``domains`` when given), or None
+    when the rule picks none; ``broadcast``: the plan of the others, run by gather-and-broadcast
+    from ``root`` (the lowest source rank of that part), or None when the rule picks all. Phases:
+    the reshard part's, then ``"gather-broadcast"`` (which reads the source buffers).
+
+    >>> import torch, reshard as rs
+    >>> specs = [rs.TensorSpec(n, (4, 4), torch.float32) for n in ("mlp.up_proj.weight", "norm.weight")]
+    >>> src = rs.Layout.merge([rs.Layout.from_placements(s, [0, 1], (2,), [rs.Shard(0)]) for s in specs])
+    >>> dst = rs.Layout.merge([rs.Layout.from_placements(s, [2, 3], (2,), [rs.Shard(1)]) for s in specs])
+    >>> h = HybridPlan(src, dst)
+    >>> h.phase_names, h.reshard.tensors, h.broadcast.tensors, h.part_bytes()
+    (['transfer', 'gather-broadcast'], ['mlp.up_proj.weight'], ['norm.weight'], {'reshard': 64, 'gather': 32, 'broadcast': 128})
+    >>> HybridPlan(src, dst, BROADCAST_ONLY).reshard is None
+    True
+    """
+
+    def __init__(self, source: Layout, destination: Layout, rule: HybridRule | None = None, *,
+                 max_bucket_bytes: int | None = None, domains: Mapping[int, int] | None = None) -> None:
+        check_pair(source, destination)  # errors name the tensor before the layouts are cut
+        self.rule = HybridRule() if rule is None else as_rule(rule)
+        self.source, self.destination = source, destination
+        self.max_bucket_bytes = max_bucket_bytes
+        self.domains = None if domains is None else dict(domains)
+        src_r, src_b = split_layout(source, self.rule)
+        dst_r, dst_b = split_layout(destination, self.rule)
+        self.reshard: Plan | HierarchicalPlan | None = None
+        self.broadcast: Plan | None = None
+        if _holds_any(dst_r):
+            self.reshard = (hierarchical_plan(src_r, dst_r, domains, max_bucket_bytes=max_bucket_bytes) if domains
+                            else Plan(src_r, dst_r, max_bucket_bytes=max_bucket_bytes))
+        if _holds_any(dst_b):  # gather-and-broadcast goes tensor by tensor: no rounds, no cap
+            self.broadcast = Plan(src_b, dst_b)
+        self._fingerprint: str | None = None
+
+    @property
+    def root(self) -> int | None:
+        """The rank that gathers the broadcast part (None without one)."""
+        return None if self.broadcast is None else default_root(self.broadcast)
+
+    @property
+    def phases(self) -> list[Plan]:
+        """The reshard part's phases, then the broadcast part's plan (it reads the source buffers)."""
+        return (self.reshard.phases if self.reshard is not None else []) + (
+            [self.broadcast] if self.broadcast is not None else [])
+
+    @property
+    def phase_names(self) -> list[str]:
+        return (self.reshard.phase_names if self.reshard is not None else []) + (
+            ["gather-broadcast"] if self.broadcast is not None else [])
+
+    @property
+    def reshard_tensors(self) -> list[str]:
+        return [n for n, t in self.reshard.destination.tables.items() if len(t)] if self.reshard is not None else []
+
+    @property
+    def broadcast_tensors(self) -> list[str]:
+        return list(self.broadcast.tensors) if self.broadcast is not None else []
+
+    def part_bytes(self) -> dict[str, int]:
+        """Bytes between distinct ranks per part: ``reshard`` (the reshard plan's wire bytes), ``gather``
+        (sources to the root) and ``broadcast`` (the root to each destination rank, full tensors)."""
+        out = {"reshard": self.reshard.wire_bytes if self.reshard is not None else 0, "gather": 0, "broadcast": 0}
+        if self.broadcast is not None:
+            out.update(gather_broadcast_bytes(self.broadcast))
+        return out
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes sent between ranks by both parts (what the executor's ``sent_bytes`` add up to)."""
+        return sum(self.part_bytes().values())
+
+    def fingerprint(self) -> str:
+        """Equal on ranks with the same layouts, rule (:attr:`HybridRule.key`) and staging cap."""
+        if self._fingerprint is None:
+            h = hashlib.sha256(f"hybrid-plan-{HYBRID_PLAN_FORMAT}\0{self.rule.key}\0".encode())
+            for part in (self.reshard, self.broadcast):
+                h.update((part.fingerprint() if part is not None else "-").encode() + b"\0")
+            self._fingerprint = h.hexdigest()[:16]
+        return self._fingerprint
+
+    def summary(self) -> dict:
+        return {"rule": self.rule.key, "reshard_tensors": len(self.reshard_tensors),
+                "broadcast_tensors": len(self.broadcast_tensors), **{f"{k}_bytes": v for k, v in self.part_bytes().items()},
+                "reshard": self.reshard.summary() if self.reshard is not None else None,
+                "broadcast": self.broadcast.summary() if self.broadcast is not None else None}
+
+    def __repr__(self) -> str:
+        return (f"HybridPlan({len(self.reshard_tensors)} tensors by reshard, {len(self.broadcast_tensors)} by "
+                f"gather-broadcast, rule {self.rule.key!r})")
+
+
+__all__ = ["BROADCAST_ONLY", "FFN_PATTERNS", "HybridPlan", "HybridRule", "as_rule", "split_layout", "tensor_subset"]

@@ -7,8 +7,9 @@ with both sides)::
                              world_size=n)            # or group=..., or env:// as torchrun sets it
         - rendezvous: a standalone process group (beside any the process has), or the given one
         - every rank contributes its sides' parts; all ranks merge them into the same two layouts
-        - one plan (direct, or hierarchical over NVLink domains), and its digest checked by every
-          rank before any byte moves; a mismatch (shape, missing tensor, buffer) raises the same
+        - one plan (direct, hierarchical over NVLink domains, or hybrid: the tensors a rule picks by
+          reshard, the others by gather-and-broadcast), and its digest checked by every rank before
+          any byte moves; a mismatch (shape, missing tensor, buffer, rule) raises the same
           RefitError on every rank, naming the tensor and rank
     stats = s.refit(version=3)  # every step: sources send, destinations receive in place
     stats = s.refit(version=4)  # the same plan, replayed
@@ -54,13 +55,15 @@ from typing import Mapping
 import torch.distributed as dist
 
 from ..execution import faults
-from ..execution.base import RunStats, agree
+from ..execution.base import Executor, RunStats, agree
 from ..execution.control import RefitError
 from ..execution.executor import ReshardExecutor
 from ..execution.group import DEFAULT_TIMEOUT, Group
-from ..execution.methods import HIERARCHICAL, RESHARD, check_method, method_plan
+from ..execution.methods import (GATHER_BROADCAST, HIERARCHICAL, HYBRID, RESHARD, check_method, method_executor,
+                                 method_plan)
 from ..layout import Layout
-from ..planning.plan import Plan, PhasedPlan
+from ..planning.hybrid import BROADCAST_ONLY, HybridRule, as_rule
+from ..planning.plan import PhasedPlan, Plan
 from ..planning.schedule import check_max_bucket_bytes
 from ..tensors import LayoutError
 from .sides import Side, WriteReport
@@ -92,14 +95,15 @@ class RefitSession:
                  method: str = AUTO, domains: Mapping[int, int] | None = None,
                  max_bucket_bytes: int | None = DEFAULT_BUCKET_BYTES, timeout: timedelta = DEFAULT_TIMEOUT,
                  failure: str | None = None, checksum: bool = False, allow_lossy: bool = False,
-                 generation: int = 0, member: str | None = None, version: object = None,
-                 state: str = READY) -> None:
+                 hybrid_rule: HybridRule | None = None, generation: int = 0, member: str | None = None,
+                 version: object = None, state: str = READY) -> None:
         self.group = group
         self.rank = group.rank
         self.source, self.destination = source, destination
         self.timeout = timeout
         self.options = dict(method=method, domains=domains, max_bucket_bytes=max_bucket_bytes, checksum=checksum,
-                            allow_lossy=allow_lossy)
+                            allow_lossy=allow_lossy, hybrid_rule=hybrid_rule)
+        self.executor: Executor | None = None
         self.generation = generation
         self.member = member or f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
         self.version: object = version
@@ -121,12 +125,17 @@ class RefitSession:
         try:
             self.source_layout = _merge([p for _, p, *_ in parts], "source")
             self.destination_layout = _merge([d for _, _, d, *_ in parts], "destination")
-            if domains is None and method == AUTO:
+            if domains is None and method in (AUTO, HYBRID):
                 domains = detect_domains(group)
             self.method = (HIERARCHICAL if domains else RESHARD) if method == AUTO else method
-            self.plan: PhasedPlan = method_plan(self.method, self.source_layout, self.destination_layout,
-                                                max_bucket_bytes=max_bucket_bytes, domains=domains)
-            self.executor = ReshardExecutor(self.plan, group, timeout=timeout, checksum=checksum,
+            # gather-and-broadcast runs as the hybrid whose rule picks nothing: the same bytes, with the
+            # session's checks and commit decision
+            kind, rule = (HYBRID, BROADCAST_ONLY) if self.method == GATHER_BROADCAST else (self.method, hybrid_rule)
+            self.plan: PhasedPlan = method_plan(kind, self.source_layout, self.destination_layout,
+                                                max_bucket_bytes=max_bucket_bytes, domains=domains,
+                                                rule=as_rule(rule))
+            # collective for the hybrid (the ranks agree, then its broadcast part splits the group)
+            self.executor = method_executor(kind, self.plan, group, timeout=timeout, checksum=checksum,
                                             allow_lossy=allow_lossy)
             error = self.executor.setup_error or self.executor.check(
                 source.read() if source else {}, destination.begin_write() if destination else {})
@@ -137,7 +146,10 @@ class RefitSession:
         fingerprint = self.plan.fingerprint() if error is None else "-"
         try:
             agree(group, fingerprint, error, self.executor.options if error is None else {})
-        except LayoutError as e:
+        except (LayoutError, RefitError) as e:
+            self._close_executor()
+            if isinstance(e, RefitError):
+                raise
             raise RefitError("connect", str(e)) from None
         self.connect_s = time.perf_counter() - t0
 
@@ -152,13 +164,16 @@ class RefitSession:
         on every rank when the job's driver hosts it, so that the store outlives any rank); else torch's
         default group (``env://`` as torchrun sets it, or ``rs.init_process_group``). Only a standalone
         group can be recovered after a failure.
-        ``options``: ``method`` (``"auto"``, ``"reshard"``, ``"hierarchical"``), ``domains``
+        ``options``: ``method`` (``"auto"``, ``"reshard"``, ``"hierarchical"``, ``"hybrid"``,
+        ``"gather-broadcast"``), ``hybrid_rule`` (the hybrid's choice of tensors to move by reshard: a
+        :class:`~reshard.planning.hybrid.HybridRule`, a list of regular expressions or a predicate; the
+        same on every rank; default FFN and expert weights), ``domains``
         (``{rank: NVLink domain}``), ``max_bucket_bytes``, ``checksum`` (a digest per message),
         ``allow_lossy`` (send values a narrowing cast loses), ``failure`` (why this rank has no side to
         offer: every rank raises it at once instead of waiting), ``member`` (this process's name in
         membership changes)."""
         _check_connect(timeout, options.get("method", AUTO), options.get("max_bucket_bytes", DEFAULT_BUCKET_BYTES),
-                       rank, world_size)
+                       rank, world_size, options.get("hybrid_rule"))
         if group is not None:
             g = Group.of(group)
         elif store_addr is not None:
@@ -196,7 +211,7 @@ class RefitSession:
         return self._transfer(self.executor, self.source.read() if self.source else {},
                               self.destination, version, f"refit to version {version!r}")
 
-    def _transfer(self, executor: ReshardExecutor, src: dict, destination: Side | None, version: object,
+    def _transfer(self, executor: Executor, src: dict, destination: Side | None, version: object,
                   what: str) -> RefitStats:
         """Run ``executor`` from ``src`` into ``destination`` (None: this rank receives nothing), then
         decide together; commit ``version`` where bytes arrived."""
@@ -289,6 +304,7 @@ class RefitSession:
         if self.member not in roster:
             raise RefitError(what, f"rank {self.rank} ({self.member}) came back too late and was left out",
                              ranks=[self.rank])
+        self._close_executor()
         self.group.close()
         return self._join_generation(store, gen, roster, timeout)
 
@@ -388,17 +404,30 @@ class RefitSession:
         return versions[0] if versions else self.version
 
     def close(self) -> None:
-        """Release the session's group (a standalone one; torch's groups belong to their owner)."""
+        """Release the session's executor (a hybrid's subgroup) and its group (a standalone one; torch's
+        groups belong to their owner)."""
+        self._close_executor()
         self.group.close()
 
+    def _close_executor(self) -> None:
+        if self.executor is not None:
+            self.executor.close()  # a reshard executor holds nothing; a hybrid one its broadcast subgroup
 
-def _check_connect(timeout, method, max_bucket_bytes, rank, world_size) -> None:
+
+def _check_connect(timeout, method, max_bucket_bytes, rank, world_size, hybrid_rule=None) -> None:
     """Options a user got wrong, named before any process connects (a RefitError on this rank alone)."""
     if not isinstance(timeout, timedelta) or not timeout.total_seconds() > 0:
         raise RefitError("connect", f"timeout must be a positive datetime.timedelta, got {timeout!r}")
     if method != AUTO:
         try:
             check_method(method)
+        except ValueError as e:
+            raise RefitError("connect", str(e)) from None
+    if hybrid_rule is not None:
+        if method != HYBRID:
+            raise RefitError("connect", f"hybrid_rule is an option of method='hybrid', not method={method!r}")
+        try:
+            as_rule(hybrid_rule)
         except ValueError as e:
             raise RefitError("connect", str(e)) from None
     try:

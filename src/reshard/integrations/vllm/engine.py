@@ -8,8 +8,9 @@ vLLM drives it through its weight-sync calls (``LLM`` methods, the HTTP server's
     update_weights({"version": ...})         receive this worker's boxes (the trainer sends at once)
     finish_weight_update(weight_version=v)   vLLM records v once every worker returned from update
 
-The trainer picks the method in the init info: ``"auto"``, ``"reshard"``, ``"hierarchical"`` (a
-refit session), or ``"broadcast"``, the baseline of :mod:`reshard.integrations.vllm.broadcast`
+The trainer picks the method in the init info: ``"auto"``, ``"reshard"``, ``"hierarchical"``,
+``"hybrid"`` (``hybrid_patterns`` by reshard, the other tensors by gather-and-broadcast),
+``"gather-broadcast"`` (a refit session each), or ``"broadcast"``, the baseline of :mod:`reshard.integrations.vllm.broadcast`
 (full tensors from trainer rank 0 into ``load_weights``), so one engine can be refitted every way a
 comparison needs.
 
@@ -71,12 +72,13 @@ class ReshardWeightTransferInitInfo(WeightTransferInitInfo):
     world_size: int  # the group: trainer ranks (trainer rank 0 alone for "broadcast") + every engine's workers
     rank_offsets: list[int]  # first rank of each engine's workers in that group, engine by engine
     engine_index: int = 0
-    method: str = AUTO  # "auto", "reshard", "hierarchical", or "broadcast"
+    method: str = AUTO  # "auto", "reshard", "hierarchical", "hybrid", "gather-broadcast", or "broadcast"
     max_bucket_bytes: int | None = DEFAULT_BUCKET_BYTES  # a refit's transfer staging cap per rank
     bucket_bytes: int | None = None  # "broadcast": bytes per broadcast bucket
     timeout_s: float = 300.0
     comm_backend: str | None = None  # "gloo" or "nccl"; default: nccl when CUDA is available
     checksum: bool = False  # an xxh3-64 digest per message, checked on arrival (every rank must agree)
+    hybrid_patterns: list[str] | None = None  # "hybrid": regexes of the tensors it moves by reshard (None: FFN + experts)
 
     def __post_init__(self) -> None:
         if not 0 <= self.engine_index < len(self.rank_offsets):
@@ -137,7 +139,8 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardWeightTransferInit
             self.session = RefitSession.connect(
                 destination=side, store_addr=init_info.store_addr, rank=rank, world_size=init_info.world_size,
                 backend=init_info.comm_backend, timeout=timeout, method=init_info.method,
-                max_bucket_bytes=init_info.max_bucket_bytes, checksum=init_info.checksum, failure=failure)
+                max_bucket_bytes=init_info.max_bucket_bytes, checksum=init_info.checksum, failure=failure,
+                hybrid_rule=init_info.hybrid_patterns)
 
     def start_weight_update(self) -> None:
         if self.session is None and self.broadcast is None:

@@ -74,6 +74,8 @@ import torch
 from vllm.distributed.weight_transfer.base import (ParamMeta, TrainerInitInfo, TrainerWeightTransferEngine,
                                                    VLLMWeightSyncClient, WeightSource)
 
+from ...execution.methods import HYBRID, check_method
+from ...planning.hybrid import as_rule
 from ...refit.session import AUTO, DEFAULT_BUCKET_BYTES, RefitSession, RefitStats
 from ...refit.sides import Side
 from .plugin import BACKEND, register
@@ -101,14 +103,25 @@ class ReshardTrainerInitInfo(TrainerInitInfo):
     world_size: int  # trainer ranks + every engine's workers
     num_trainer_ranks: int = 1
     engine_world_sizes: list[int] | None = None
-    method: str = AUTO  # "auto" (hierarchical over NVLink domains when they exist), "reshard", "hierarchical"
+    # "auto" (hierarchical over NVLink domains when they exist), "reshard", "hierarchical", "hybrid"
+    # (hybrid_patterns by reshard, the other tensors by gather-and-broadcast), "gather-broadcast"
+    method: str = AUTO
     max_bucket_bytes: int | None = DEFAULT_BUCKET_BYTES  # transfer staging cap per rank (two rounds in flight share it)
     timeout_s: float = 300.0  # bounds every wait of the session
     comm_backend: str | None = None  # "gloo" or "nccl"; default: nccl when CUDA is available
     pause_mode: str | None = "keep"  # vLLM's pause mode around each refit ("abort", "wait", "keep"), or None
     checksum: bool = False  # an xxh3-64 digest per message, checked on arrival (catches corruption on the wire)
+    # method "hybrid": regular expressions (re.search) of the tensors it moves by reshard; None: FFN and
+    # expert weights (reshard.planning.hybrid.FFN_PATTERNS); [] sends every tensor by gather-and-broadcast
+    hybrid_patterns: list[str] | None = None
 
     def __post_init__(self) -> None:
+        if self.method != AUTO:
+            check_method(self.method)  # ValueError naming the methods
+        if self.hybrid_patterns is not None:
+            if self.method != HYBRID:
+                raise ValueError(f"hybrid_patterns is the rule of method 'hybrid', not of method {self.method!r}")
+            as_rule(self.hybrid_patterns)  # ValueError naming a pattern that is no regular expression
         if not 0 <= self.rank < self.num_trainer_ranks < self.world_size:
             raise ValueError(f"trainer rank {self.rank} of {self.num_trainer_ranks} must leave room for inference "
                              f"ranks in world_size {self.world_size}")
@@ -137,7 +150,7 @@ class ReshardTrainerInitInfo(TrainerInitInfo):
         return {"store_addr": f"{self.master_address}:{self.master_port}", "world_size": self.world_size,
                 "rank_offsets": self.rank_offsets, "method": self.method,
                 "max_bucket_bytes": self.max_bucket_bytes, "timeout_s": self.timeout_s,
-                "comm_backend": self.comm_backend, "checksum": self.checksum}
+                "comm_backend": self.comm_backend, "checksum": self.checksum, "hybrid_patterns": self.hybrid_patterns}
 
 
 def _check_pause_mode(mode: str | None) -> None:
@@ -198,34 +211,56 @@ class OfflineClient:
     no hook to refuse requests, and a paused offline engine would keep ``generate`` waiting). One
     client per ``LLM`` (:func:`as_client` keeps it on the ``LLM``), so a gate outlives the trainer
     engine that set it.
+
+    Every call fails once the engine is dead: vLLM 0.32's offline front end never answers a call it
+    sent to an EngineCore that died before replying (its future stays pending: a gate sent while a
+    killed worker takes its engine down would wait forever), so each call waits on the front end's
+    ``engine_dead`` too and then raises ``EngineDeadError``.
     """
 
     def __init__(self, llm) -> None:
         self.llm = llm
         self.gated: str | None = None  # why the engine takes no request, while it is gated
 
+    def _call(self, fn: Callable, *args, **kwargs):
+        """``fn(*args, **kwargs)`` (a method of the ``LLM``), failing once the engine is dead (see class doc)."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        future = in_thread(lambda: fn(*args, **kwargs))
+        resources = getattr(getattr(self.llm.llm_engine, "engine_core", None), "resources", None)
+        while True:
+            try:
+                return future.result(timeout=0.05)
+            except FutureTimeout:
+                if getattr(resources, "engine_dead", False):
+                    try:
+                        return future.result(timeout=1.0)  # an answer already on its way
+                    except FutureTimeout:
+                        raise EngineDeadError(f"(no answer to {getattr(fn, '__name__', fn)}: the engine died)"
+                                              ) from None
+
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self.llm.init_weight_transfer_engine({"init_info": init_info})
+        self._call(self.llm.init_weight_transfer_engine, {"init_info": init_info})
 
     def start_weight_update(self) -> None:
-        self.llm.start_weight_update()
+        self._call(self.llm.start_weight_update)
 
     def update_weights(self, update_info) -> None:
-        self.llm.update_weights({"update_info": update_info})
+        self._call(self.llm.update_weights, {"update_info": update_info})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.llm.finish_weight_update(weight_version)
+        self._call(self.llm.finish_weight_update, weight_version)
 
     def pause_generation(self, mode: str) -> None:
-        self.llm.sleep(level=0, mode=mode)
+        self._call(self.llm.sleep, level=0, mode=mode)
 
     def resume_generation(self, *, clear_cache: bool = True) -> None:
         """Take requests again (lifting a gate); ``clear_cache`` drops the prefix cache first."""
         self.llm.llm_engine.__dict__.pop("add_request", None)  # the refusal set by gate()
         self.gated = None
         if clear_cache:
-            self.llm.reset_prefix_cache()
-        self.llm.wake_up(tags=["scheduling"])
+            self._call(self.llm.reset_prefix_cache)
+        self._call(self.llm.wake_up, tags=["scheduling"])
 
     def gate(self, reason: str) -> None:
         """Stop serving: refuse new requests, abort those in flight, pause the scheduler."""
@@ -237,7 +272,7 @@ class OfflineClient:
 
         self.gated = reason
         self.llm.llm_engine.add_request = refuse  # LLM.generate, chat, enqueue... all add through it
-        self.llm.sleep(level=0, mode="abort")
+        self._call(self.llm.sleep, level=0, mode="abort")
 
 
 class HTTPClient:
@@ -410,7 +445,8 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
             self.session = RefitSession.connect(
                 source=side, store_addr=f"{info.master_address}:{info.master_port}", rank=info.rank,
                 world_size=info.world_size, backend=info.comm_backend, timeout=timedelta(seconds=info.timeout_s),
-                method=info.method, max_bucket_bytes=info.max_bucket_bytes, checksum=info.checksum)
+                method=info.method, max_bucket_bytes=info.max_bucket_bytes, checksum=info.checksum,
+                hybrid_rule=info.hybrid_patterns)
 
     def reconnect(self, init_info: ReshardTrainerInitInfo | None = None, *,
                   client: VLLMWeightSyncClient | None = None) -> None:

@@ -1,0 +1,216 @@
+"""The hybrid executor: the tensors a rule picks by reshard, the others by gather-and-broadcast, as one refit.
+
+It runs a :class:`~reshard.planning.hybrid.HybridPlan` on this rank: first the reshard part (every
+phase of its plan, as :class:`~reshard.execution.executor.ReshardExecutor` runs them), then the
+broadcast part (:class:`~reshard.execution.gather_broadcast.GatherBroadcastExecutor`, tensor by
+tensor from the part's root), both writing into the caller's destination buffers::
+
+    ex = HybridExecutor(method_plan("hybrid", src, dst, rule=HybridRule(...)), group)  # collective
+    stats = ex.run(src_buffers, dst_buffers)    # phases: transfer, gather, broadcast
+    ex.close()                                  # releases the broadcast part's subgroup
+
+One refit, one outcome. Before any byte moves, every rank checks its buffers for both parts
+(shapes and dtypes, buffers sharing storage across the two parts, buffers that cannot be written in
+place, values a narrowing cast would lose) and all ranks compare the hybrid plan's fingerprint
+(which covers the rule) and the options: a problem raises the same ``LayoutError`` on every rank
+with nothing written. A failure in either part (a rank that raises, dies or stalls) aborts the
+group and its broadcast subgroup and raises :class:`~reshard.execution.control.RefitError` on
+every rank; the run ends with one commit/abort decision for both parts
+(:meth:`~reshard.execution.control.Control.decide`; ``decide=False`` leaves it to a refit session).
+
+Fault points (:mod:`reshard.execution.faults`): those of the reshard part (``agreement``,
+``<phase> round <j>``), and ``gather-broadcast``, passed by every rank as the broadcast part starts.
+``checksum`` covers the reshard part's messages; the broadcast part sends none.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..planning.hybrid import HybridPlan
+from ..tensors import LayoutError, cast_problem, narrowing
+from . import faults
+from .base import Executor, RunStats, agree, check_buffers, check_storage, device_of, plan_ranks_problem
+from .control import RefitError
+from .executor import ReshardExecutor
+from .gather_broadcast import GatherBroadcastExecutor
+from .group import DEFAULT_TIMEOUT, Group
+from .packing import Buffers
+
+BROADCAST_PART = "gather-broadcast"  # the broadcast part's phase in errors and its fault point
+
+
+class HybridExecutor(Executor):
+    """Runs a :class:`HybridPlan` over ``group`` (see module doc). Every rank of the group constructs it
+    with the same plan (construction is collective: the ranks agree on the plan and options, then
+    the broadcast part creates its subgroup), calls :meth:`run`, and :meth:`close` s it (or uses it
+    as a context manager). ``overlap``, ``checksum`` and ``allow_lossy`` are the reshard executor's
+    (``allow_lossy`` covers both parts). With no broadcast part it is a reshard run; with no
+    reshard part, a gather-and-broadcast run with the refit's checks and decision."""
+
+    needed_bytes_only = False  # the broadcast part sends every destination the full tensors
+    bounded_staging = False  # the broadcast part stages full tensors
+
+    def __init__(self, plan: HybridPlan, group: Group | dist.ProcessGroup | None = None, *,
+                 timeout: timedelta = DEFAULT_TIMEOUT, overlap: bool = True, checksum: bool = False,
+                 allow_lossy: bool = False) -> None:
+        if not isinstance(plan, HybridPlan):
+            raise TypeError(f"HybridExecutor runs a HybridPlan (method_plan('hybrid', ...)), got {type(plan).__name__}")
+        self.plan = plan
+        self.group = Group.of(group)
+        self.timeout = timeout
+        self.checksum, self.allow_lossy = checksum, allow_lossy
+        self.rank = self.group.rank
+        self.closed = False
+        self.touched = False  # whether the last run reached the point of writing destination buffers
+        self._where = "agreement"
+        self._in_reshard = False
+        self.reshard = None if plan.reshard is None else ReshardExecutor(
+            plan.reshard, self.group, timeout=timeout, overlap=overlap, checksum=checksum, allow_lossy=allow_lossy)
+        self.setup_error = (self.reshard.setup_error if self.reshard is not None else None) or (
+            plan_ranks_problem(plan.broadcast, self.group.size, self.rank) if plan.broadcast is not None else None)
+        self.broadcaster: GatherBroadcastExecutor | None = None
+        # collective before the broadcast part splits the group: ranks with another plan or rule would
+        # otherwise wait in different splits until the timeout
+        agree(self.group, plan.fingerprint(), self.setup_error, self.options)
+        if plan.broadcast is not None:
+            self.broadcaster = GatherBroadcastExecutor(plan.broadcast, self.group, root=plan.root, timeout=timeout)
+
+    @property
+    def options(self) -> dict:
+        """What every rank must agree on besides the plan."""
+        return {"executor": "hybrid", "rule": self.plan.rule.key, "root": self.plan.root, "checksum": self.checksum,
+                "allow_lossy": self.allow_lossy}
+
+    @property
+    def where(self) -> str:
+        """The step a run is in (for errors): a reshard round, or the broadcast part."""
+        return self.reshard.where if self._in_reshard and self.reshard is not None else self._where
+
+    # ------------------------------------------------------------------ checks
+    def _broadcast_buffers(self) -> tuple[set[str], set[str]]:
+        """(source buffers read, destination buffers written) by this rank in the broadcast part."""
+        b = self.broadcaster
+        if b is None:
+            return set(), set()
+        read = {c.src_buffer for cs in b.sends.values() for c in cs} | {c.src_buffer for cs in b.local.values() for c in cs}
+        return read, {p.buffer for ps in b.my_pieces.values() for p in ps}
+
+    def _reshard_buffers(self) -> tuple[set[str], set[str]]:
+        """(source buffers read, destination buffers written) by this rank in the reshard part."""
+        if self.reshard is None or not self.reshard.parts:
+            return set(), set()
+        parts = self.reshard.parts
+        read = {c.src_buffer for m in parts[0].sends for c in m.copies} | {c.src_buffer for c in parts[0].local}
+        written = set()
+        for part in parts:
+            written |= {c.dst_buffer for m in part.recvs for c in m.copies} | {c.dst_buffer for c in part.local} | {
+                c.dst_buffer for c in part.fanout}
+        return read, written
+
+    def check(self, src: Buffers, dst: Buffers) -> str | None:
+        """The first problem with this rank's buffers for either part, or None (see module doc)."""
+        if self.setup_error:
+            return self.setup_error
+        if self.reshard is not None:
+            problem = self.reshard.check(src, dst)
+            if problem:
+                return problem
+        b_read, b_written = self._broadcast_buffers()
+        if self.broadcaster is not None:
+            problem = (check_buffers(self.plan.broadcast.source, self.rank, src, b_read, "source")
+                       or check_buffers(self.plan.broadcast.destination, self.rank, dst, b_written, "destination"))
+            if problem:
+                return problem
+        r_read, r_written = self._reshard_buffers()
+        read, written = sorted(r_read | b_read), sorted(r_written | b_written)
+        return check_storage(self.rank, {n: src[n] for n in read}, {n: dst[n] for n in written}) or (
+            None if self.allow_lossy else self._cast_problem(src))
+
+    def _cast_problem(self, src: Buffers) -> str | None:
+        """Values of a source buffer the broadcast part's cast to the destination dtype would lose (the
+        reshard executor checks its own part)."""
+        b = self.broadcaster
+        if b is None:
+            return None
+        pairs = {(c.src_buffer, c.dtype) for cs in list(b.sends.values()) + list(b.local.values()) for c in cs}
+        for buffer, dtype in sorted(pairs, key=str):
+            t = src[buffer]
+            if narrowing(t.dtype, dtype):
+                problem = cast_problem(buffer, t, dtype)
+                if problem:
+                    return f"rank {self.rank}: {problem} (HybridExecutor(allow_lossy=True) sends them anyway)"
+        return None
+
+    # ------------------------------------------------------------------ run
+    def run(self, src_buffers: Buffers, dst_buffers: Buffers, *, decide: bool = True) -> RunStats:
+        """Move the bytes of both parts; ``dst_buffers`` are written in place. Collective over the group.
+
+        Raises ``LayoutError`` on every rank, with no byte moved, for bad buffers or a plan, rule or
+        options that differ between ranks; :class:`RefitError` on every rank when either part fails
+        (destination buffers may then hold a mix of old and new values). ``decide=False`` leaves the
+        final decision to the caller (a refit session)."""
+        if self.closed:
+            raise RuntimeError(f"rank {self.rank}: this HybridExecutor is closed")
+        self._where, self._in_reshard, self.touched = "agreement", False, False
+        self.group.check_usable("agreement")
+        error = self.check(src_buffers, dst_buffers)
+        try:
+            faults.hit("agreement")
+            agree(self.group, self.plan.fingerprint(), error, self.options)
+        except RefitError as e:  # a rank never arrived: tell the others at once
+            raise self._fail(e.with_traceback(None)) from None
+        except LayoutError:
+            raise
+        except Exception as e:  # noqa: BLE001 - this rank failed before any byte moved
+            raise self._fail(RefitError("agreement", f"rank {self.rank}: {type(e).__name__}: {e}",
+                                        ranks=[self.rank])) from None
+        failure, phases = None, []
+        try:
+            self.touched = True
+            with torch.inference_mode():  # writes autograd leaves and inference tensors in place
+                if self.reshard is not None:
+                    self._in_reshard = True
+                    device = device_of(src_buffers, dst_buffers)
+                    r = self.reshard
+                    for i, (name, part) in enumerate(zip(r.plan.phase_names, r.parts)):
+                        phases.append(r._run_phase(name, part, src_buffers if i == 0 else dst_buffers, dst_buffers,
+                                                   device))
+                    self._in_reshard = False
+                if self.broadcaster is not None:
+                    self._where = BROADCAST_PART
+                    faults.hit(BROADCAST_PART)
+                    phases += self.broadcaster.run(src_buffers, dst_buffers).phases
+        except RefitError as e:
+            phase = BROADCAST_PART if not self._in_reshard and e.phase in ("transfer", "broadcast") else e.phase
+            failure = RefitError(phase, str(e).partition(": ")[2], ranks=e.ranks)
+        except Exception as e:  # noqa: BLE001 - every rank hears of it
+            failure = RefitError(self.where, f"rank {self.rank}: {type(e).__name__}: {e}", ranks=[self.rank])
+        if failure is not None:
+            # raised outside the except blocks, with no traceback: nothing keeps posted work alive
+            raise self._fail(failure)
+        if decide:
+            try:
+                self.group.control.decide(None, self.timeout)
+            except RefitError as e:
+                raise self._fail(e) from None
+        return RunStats.of_phases(self.rank, phases)
+
+    def _fail(self, error: RefitError) -> RefitError:
+        """Break the broadcast subgroup (its members may wait in a broadcast) and the group; every rank hears."""
+        bcast = self.broadcaster.bcast_group if self.broadcaster is not None else None
+        if bcast is not None:
+            bcast.fail(error)
+        return self.group.fail(error)
+
+    def close(self) -> None:
+        """Release the broadcast part's subgroup (local, idempotent). The executor cannot run after."""
+        self.closed = True
+        if self.broadcaster is not None:
+            self.broadcaster.close()
+
+
+__all__ = ["BROADCAST_PART", "HybridExecutor"]
