@@ -5,7 +5,7 @@ vLLM drives it through its weight-sync calls (``LLM`` methods, the HTTP server's
     init_weight_transfer_engine(init_info)   join the refit group, lay out this worker's parameters,
                                              exchange layouts, plan once, check the digest
     start_weight_update()                    check there is a connection
-    update_weights({"version": ...})         receive this worker's boxes (the trainer sends at once)
+    update_weights({"version": v, "method": m}) receive this worker's boxes (the trainer sends at once)
     finish_weight_update(weight_version=v)   vLLM records v once every worker returned from update
 
 The trainer picks the method in the init info: ``"auto"``, ``"reshard"``, ``"hierarchical"``,
@@ -88,6 +88,7 @@ class ReshardWeightTransferInitInfo(WeightTransferInitInfo):
 @dataclass
 class ReshardWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     version: str | None = None
+    method: str | None = None  # which of the engine's refit sessions (by its init method); None: the last connected
     names: list[str] | None = None  # "broadcast": the tensors coming, in order
     dtype_names: list[str] | None = None
     shapes: list[list[int]] | None = None
@@ -103,7 +104,8 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardWeightTransferInit
 
     def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
-        self.session: RefitSession | None = None
+        self.sessions: dict[str, RefitSession] = {}  # one per init method: an engine refitted several ways
+        self.session: RefitSession | None = None  # the last connected (or last used) of them
         self.broadcast: tuple[Group, int] | None = None  # ("broadcast") the group and bucket size
         self._reload_pending = False
         self.last_stats = None
@@ -115,8 +117,9 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardWeightTransferInit
         self.error: str | None = None  # while poisoned: why
 
     def init_transfer_engine(self, init_info: ReshardWeightTransferInitInfo) -> None:
-        """Connect to a trainer; a new connection replaces the one of the same kind (a refit session,
-        or a broadcast group: an engine can hold one of each, to be refitted both ways)."""
+        """Connect to a trainer; a new connection replaces the one of the same kind (a refit session
+        of the same ``method``, or the broadcast group: an engine can hold a session per method and a
+        broadcast group at once, to be refitted every way in turn; updates name the method)."""
         from vllm.distributed import get_tensor_model_parallel_rank
 
         first = init_info.rank_offsets[init_info.engine_index]
@@ -129,21 +132,21 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardWeightTransferInit
                                       backend=init_info.comm_backend, timeout=timeout, prefix=BROADCAST)
                 self.broadcast = (group, init_info.bucket_bytes or BROADCAST_BUCKET_BYTES)
             return
-        self._close(session=True)
+        self._close_session(init_info.method)
         side, failure = None, None
         try:
             side = VLLMModelSide.from_worker(self.model, self.vllm_config, rank, first)
         except Exception as e:  # noqa: BLE001 - every rank of the session hears it
             failure = f"{type(e).__name__}: {e}"
         with self._last_worker_raises():
-            self.session = RefitSession.connect(
+            self.session = self.sessions[init_info.method] = RefitSession.connect(
                 destination=side, store_addr=init_info.store_addr, rank=rank, world_size=init_info.world_size,
                 backend=init_info.comm_backend, timeout=timeout, method=init_info.method,
                 max_bucket_bytes=init_info.max_bucket_bytes, checksum=init_info.checksum, failure=failure,
                 hybrid_rule=init_info.hybrid_patterns)
 
     def start_weight_update(self) -> None:
-        if self.session is None and self.broadcast is None:
+        if not self.sessions and self.broadcast is None:
             raise RuntimeError("reshard weight transfer is not initialized: call init_weight_transfer_engine first")
 
     def receive_weights(self, update_info: ReshardWeightTransferUpdateInfo) -> None:
@@ -168,6 +171,11 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardWeightTransferInit
                     raise
                 self._committed(None, before)  # the version is vLLM's, recorded at finish
             return
+        if update_info.method is not None:
+            if update_info.method not in self.sessions:
+                raise RuntimeError(f"a refit by method {update_info.method!r} arrived, but this engine is connected "
+                                   f"for {sorted(self.sessions) or 'no refit session'}")
+            self.session = self.sessions[update_info.method]
         if self.session is None:
             raise RuntimeError("a refit arrived, but no reshard trainer is connected")
         before, self.state = self.state, UPDATING
@@ -202,7 +210,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardWeightTransferInit
         """This worker's refit state (plain data; :func:`~reshard.integrations.vllm.inspect.transfer_state`
         reads it through ``collective_rpc``)."""
         return {"rank": self.rank, "state": self.state, "version": self.version,
-                "failed_version": self.failed_version, "error": self.error, "connected": self.session is not None}
+                "failed_version": self.failed_version, "error": self.error, "connected": bool(self.sessions)}
 
     def finish_weight_update(self) -> None:
         if self._reload_pending:
@@ -227,15 +235,24 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardWeightTransferInit
         self._close(session=True, broadcast=True)
 
     def _close(self, *, session: bool = False, broadcast: bool = False) -> None:
-        if session and self.session is not None:
-            try:
-                self.session.close()
-            except Exception as e:  # noqa: BLE001 - a broken session's group: the new connection goes on
-                logger.warning("reshard: rank %s: closing the previous session: %s", self.rank, e)
-            self.session = None
+        if session:
+            for method in list(self.sessions):
+                self._close_session(method)
         if broadcast and self.broadcast is not None:
             self.broadcast[0].close()
             self.broadcast = None
+
+
+    def _close_session(self, method: str) -> None:
+        old = self.sessions.pop(method, None)
+        if old is None:
+            return
+        if self.session is old:
+            self.session = None
+        try:
+            old.close()
+        except Exception as e:  # noqa: BLE001 - a broken session's group: the new connection goes on
+            logger.warning("reshard: rank %s: closing the previous %r session: %s", self.rank, method, e)
 
 
 __all__ = ["ReshardWeightTransferEngine", "ReshardWeightTransferInitInfo",

@@ -490,7 +490,8 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
         engines = self._engines() if self.is_sender else []
         paused = [bool(mode) and hasattr(c, "pause_generation") for c in engines]
         # one thread per engine: a dead engine fails its own calls, the others join the refit that names it
-        rounds = [in_thread(self._engine_round, c, mode if p else None, version) for c, p in zip(engines, paused)]
+        rounds = [in_thread(self._engine_round, c, mode if p else None, version, self.init_info.method)
+                  for c, p in zip(engines, paused)]
         try:
             self.last_stats = self.session.refit(version)
         except Exception as e:
@@ -502,11 +503,11 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
         return self.last_stats
 
     @staticmethod
-    def _engine_round(client, mode: str | None, version: str) -> None:
+    def _engine_round(client, mode: str | None, version: str, method: str) -> None:
         if mode:
             client.pause_generation(mode)
         client.start_weight_update()
-        client.update_weights({"version": version})
+        client.update_weights({"version": version, "method": method})
 
     def _each_engine(self, engines: list, handle: Callable[[int, Any], list[str]]) -> list[list[str]]:
         """``handle(i, client)`` for every engine at once (each engine's calls in turn, on its own
