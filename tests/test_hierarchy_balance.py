@@ -125,3 +125,53 @@ def test_slices_of_many_experts_seed_on_different_gpus():
     assert sorted(sends.values()) == [2 * 3 * half] * 8  # each GPU seeds 2 of the 8 experts' slice, sends 3 copies
     case = S.Case(None, src, dst, S.full_tensors(specs))
     assert_exact(case, run(case, h))
+
+
+@st.composite
+def source_domain_recipes(draw):
+    """``per`` training ranks in each of ``n_dom`` source domains, TP-``tp`` engines on domains of
+    ``g`` GPUs, and per tensor (rows, cols, held by every training rank or by every rank of one
+    source domain): every byte a source domain sends, each of its ranks could send."""
+    per, n_dom = draw(st.integers(1, 4)), draw(st.integers(1, 3))
+    g, tp, engines = draw(st.sampled_from([1, 2, 4])), draw(st.sampled_from([1, 2, 4])), draw(st.integers(1, 4))
+    tensors = draw(st.lists(st.tuples(st.integers(1, 4), st.integers(1, 3), st.booleans()), min_size=1, max_size=12))
+    return per, n_dom, g, tp, engines, tuple(tensors)
+
+
+def build_sources(recipe):
+    """(case, domains, source ranks) of a :func:`source_domain_recipes` recipe."""
+    per, n_dom, g, tp, engines, tensors = recipe
+    n_src = per * n_dom
+    dst_ranks = list(range(n_src, n_src + engines * tp))
+    domains = {r: r // per for r in range(n_src)}
+    domains.update({r: n_dom + (r - n_src) // g for r in dst_ranks})
+    specs, src, dst = [], [], []
+    for i, (rows, cols, everywhere) in enumerate(tensors):
+        spec = rs.TensorSpec(f"t{i}", (tp * rows, cols), torch.float32)
+        specs.append(spec)
+        d = i % n_dom
+        ranks = list(range(n_src)) if everywhere else list(range(d * per, d * per + per))
+        src.append(rs.Layout.from_placements(spec, ranks, (len(ranks),), [rs.Replicate()]))
+        dst.append(rs.Layout.from_placements(spec, dst_ranks, (engines, tp), [rs.Replicate(), rs.Shard(0)]))
+    return S.Case(None, rs.Layout.merge(src), rs.Layout.merge(dst), S.full_tensors(specs)), domains, range(n_src)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(source_domain_recipes())
+def test_no_source_gpu_nic_sends_more_than_its_domain_mean_plus_one_box(recipe):
+    """The sending side: a source domain's NICs share what it sends to other domains, one GPU
+    exceeding the domain's mean by at most the largest single box."""
+    case, domains, sources = build_sources(recipe)
+    h = hierarchical_plan(case.source, case.destination, domains, split_bytes=None)
+    dst = case.destination
+    largest = max(_volume(p.sizes) for r in dst.ranks for p in dst.pieces(r)) * 4  # float32
+    out, _ = nic_loads(h, domains)
+    by_domain: dict[int, list[int]] = defaultdict(list)
+    for r in sources:
+        by_domain[domains[r]].append(r)
+    for d, ranks in by_domain.items():
+        mean = sum(out[r] for r in ranks) / len(ranks)
+        worst = max(ranks, key=lambda r: out[r])
+        assert out[worst] <= mean + largest, (
+            f"NIC out of source rank {worst}: {out[worst]} bytes, domain {d} mean {mean:.0f}, largest box {largest}")
+    assert_exact(case, run(case, h))
