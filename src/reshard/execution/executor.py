@@ -171,8 +171,7 @@ class ReshardExecutor(Executor):
             self.touched = True
             device = device_of(src_buffers, dst_buffers)
             with torch.inference_mode():  # writes autograd leaves and inference tensors in place
-                phases = [self._run_phase(name, part, src_buffers if i == 0 else dst_buffers, dst_buffers, device)
-                          for i, (name, part) in enumerate(zip(self.plan.phase_names, self.parts))]
+                phases = self.move(src_buffers, dst_buffers, device)
         except RefitError as e:
             failure = RefitError(e.phase, str(e).partition(": ")[2], ranks=e.ranks)
         except Exception as e:  # noqa: BLE001 - every rank hears of it
@@ -187,6 +186,13 @@ class ReshardExecutor(Executor):
             except RefitError as e:
                 raise self.group.fail(e) from None
         return RunStats.of_phases(self.rank, phases)
+
+    def move(self, src_buffers: Buffers, dst_buffers: Buffers, device: torch.device) -> list[PhaseStats]:
+        """Every phase's bytes, in order, with no check, agreement or decision: the part of :meth:`run`
+        that a composite executor (:class:`~reshard.execution.hybrid.HybridExecutor`) runs after its
+        own checks. Later phases read what earlier ones wrote into ``dst_buffers``."""
+        return [self._run_phase(name, part, src_buffers if i == 0 else dst_buffers, dst_buffers, device)
+                for i, (name, part) in enumerate(zip(self.plan.phase_names, self.parts))]
 
     def _run_phase(self, name: str, part: RankPlan, src_buffers: Buffers, dst_buffers: Buffers,
                    device: torch.device) -> PhaseStats:

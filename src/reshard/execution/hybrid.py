@@ -175,10 +175,7 @@ class HybridExecutor(Executor):
                 if self.reshard is not None:
                     self._in_reshard = True
                     device = device_of(src_buffers, dst_buffers)
-                    r = self.reshard
-                    for i, (name, part) in enumerate(zip(r.plan.phase_names, r.parts)):
-                        phases.append(r._run_phase(name, part, src_buffers if i == 0 else dst_buffers, dst_buffers,
-                                                   device))
+                    phases += self.reshard.move(src_buffers, dst_buffers, device)
                     self._in_reshard = False
                 if self.broadcaster is not None:
                     self._where = BROADCAST_PART
