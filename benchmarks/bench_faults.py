@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump({"summary": figures, "scenarios": [
                 {"scenario": o.scenario.describe(), "result": o.result, "fired": o.fired, "hung": o.hung,
-                 "silent": o.silent, "torn": o.torn, "detection_s": o.detection_s, "recovery_s": o.recovery_s}
+                 "silent": o.silent, "torn": o.torn, "detection_s": o.detection_s, "recovery_s": o.recovery_s,
+                 "events": {r["rank"]: r["events"] for r in o.reports}}
                 for o in outcomes]}, f, indent=1)
     bad = figures["hangs"] + figures["silent corruptions"] + figures["torn models served or committed"]
     return 1 if bad else 0
