@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, ClassVar, Mapping, Sequence
 import torch
 
 from ..layout import Layout
-from ..tensors import LayoutError
+from ..tensors import LayoutError, cast_problem, narrowing
 from .group import Group
 from .packing import Buffers
 
@@ -215,6 +215,17 @@ def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
+def lossy_cast_problem(rank: int, src: Buffers, pairs, executor: str) -> str | None:
+    """The first ``(source buffer, destination dtype)`` of ``pairs`` whose narrowing cast would lose
+    values of ``src``, as a message naming ``rank`` and the way out (``allow_lossy=True``), or None."""
+    for buffer, dtype in sorted(set(pairs), key=str):
+        t = src[buffer]
+        if narrowing(t.dtype, dtype):
+            problem = cast_problem(buffer, t, dtype)
+            if problem:
+                return f"rank {rank}: {problem} ({executor}(allow_lossy=True) sends them anyway)"
+    return None
+
 
 __all__ = ["Executor", "PhaseStats", "RunStats", "agree", "check_buffers", "check_storage", "device_of",
-           "plan_ranks_problem", "synchronize"]
+           "lossy_cast_problem", "plan_ranks_problem", "synchronize"]

@@ -51,10 +51,10 @@ import xxhash
 
 from ..planning.plan import PhasedPlan, RankPlan
 from ..planning.schedule import Message
-from ..tensors import LayoutError, cast_problem, narrowing
+from ..tensors import LayoutError
 from . import faults
-from .base import (Executor, PhaseStats, RunStats, agree, check_buffers, check_storage, device_of, plan_ranks_problem,
-                   synchronize)
+from .base import (Executor, PhaseStats, RunStats, agree, check_buffers, check_storage, device_of, lossy_cast_problem,
+                   plan_ranks_problem, synchronize)
 from .control import RefitError
 from .group import DEFAULT_TIMEOUT, Group
 from .packing import Buffers, copy_within, pack, unpack
@@ -122,15 +122,9 @@ class ReshardExecutor(Executor):
         if not self.parts:
             return None
         part = self.parts[0]
-        pairs = {(c.src_buffer, c.dtype) for m in part.sends for c in m.copies} | {
-            (c.src_buffer, c.dtype) for c in part.local}
-        for buffer, dtype in sorted(pairs, key=str):
-            t = src[buffer]
-            if narrowing(t.dtype, dtype):
-                problem = cast_problem(buffer, t, dtype)
-                if problem:
-                    return f"rank {self.rank}: {problem} (ReshardExecutor(allow_lossy=True) sends them anyway)"
-        return None
+        pairs = [(c.src_buffer, c.dtype) for m in part.sends for c in m.copies] + [
+            (c.src_buffer, c.dtype) for c in part.local]
+        return lossy_cast_problem(self.rank, src, pairs, "ReshardExecutor")
 
     def staging_bytes(self) -> int:
         """Staging this rank allocates in its busiest phase (what ``RunStats.peak_staging_bytes`` reports).

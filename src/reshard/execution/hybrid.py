@@ -31,9 +31,10 @@ import torch
 import torch.distributed as dist
 
 from ..planning.hybrid import HybridPlan
-from ..tensors import LayoutError, cast_problem, narrowing
+from ..tensors import LayoutError
 from . import faults
-from .base import Executor, RunStats, agree, check_buffers, check_storage, device_of, plan_ranks_problem
+from .base import (Executor, RunStats, agree, check_buffers, check_storage, device_of, lossy_cast_problem,
+                   plan_ranks_problem)
 from .control import RefitError
 from .executor import ReshardExecutor
 from .gather_broadcast import GatherBroadcastExecutor
@@ -136,14 +137,8 @@ class HybridExecutor(Executor):
         b = self.broadcaster
         if b is None:
             return None
-        pairs = {(c.src_buffer, c.dtype) for cs in list(b.sends.values()) + list(b.local.values()) for c in cs}
-        for buffer, dtype in sorted(pairs, key=str):
-            t = src[buffer]
-            if narrowing(t.dtype, dtype):
-                problem = cast_problem(buffer, t, dtype)
-                if problem:
-                    return f"rank {self.rank}: {problem} (HybridExecutor(allow_lossy=True) sends them anyway)"
-        return None
+        pairs = [(c.src_buffer, c.dtype) for cs in list(b.sends.values()) + list(b.local.values()) for c in cs]
+        return lossy_cast_problem(self.rank, src, pairs, "HybridExecutor")
 
     # ------------------------------------------------------------------ run
     def run(self, src_buffers: Buffers, dst_buffers: Buffers, *, decide: bool = True) -> RunStats:
