@@ -268,6 +268,8 @@ def plot(results: list[Result], path: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from ..modeling.plots import save_figure
+
     results = [r for r in results if r.figures is not None]
     labels = [r.case.key for r in results]
     series = [("ours, hierarchical", [r.seconds("hierarchical") for r in results], "#2b7bba"),
@@ -290,12 +292,7 @@ def plot(results: list[Result], path: str | Path) -> Path:
     ax.set_title("refit time: reshard vs gather-and-broadcast vs the lower bound")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=120)
 
 
 __all__ = ["CASES", "Case", "METHODS", "Result", "fit", "model_figures", "plot", "rank_weight_bytes", "render",

@@ -63,6 +63,16 @@ def _tick_every(n: int, target: int = 32) -> int:
     return max(1, -(-n // target))
 
 
+def save_figure(fig, path: str | Path, dpi: int = 110) -> Path:
+    """Lay ``fig`` out, write it to ``path`` (folders made as needed), close it; the path."""
+    path = Path(path)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
 def plot_pair_bytes(pair_bytes: Mapping[tuple[int, int], float], path: str | Path, *,
                     sources: Sequence[int] | None = None, destinations: Sequence[int] | None = None,
                     title: str = "bytes per (source, destination) pair", max_cells: int = 64,
@@ -106,11 +116,7 @@ def plot_pair_bytes(pair_bytes: Mapping[tuple[int, int], float], path: str | Pat
     nz = sum(1 for v in pair_bytes.values() if v > 0)
     ax.set_title(f"{title}\n{len(srcs)} sources -> {len(dsts)} destinations, {nz:,} pairs send, "
                  f"{total / tscale:.3g} {tunit} in all", fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def plot_link_load(traffic: Traffic, path: str | Path, topology: Topology | None = None, *,
@@ -181,8 +187,4 @@ def plot_link_load(traffic: Traffic, path: str | Path, topology: Topology | None
                  f"{topo.nic_bytes_per_s / 1e9:.3g} GB/s, NVLink {topo.nvlink_bytes_per_s / 1e9:.3g} GB/s per direction)",
                  fontsize=10)
     ax.legend(loc="upper right", fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

@@ -111,6 +111,8 @@ def plot_step_times(result: RunResult, png: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from ...modeling.plots import save_figure
+
     by = timed_steps(result)
     methods = list(by)
     fig, ax = plt.subplots(figsize=(1.6 * len(methods) + 3, 4.2))
@@ -133,12 +135,7 @@ def plot_step_times(result: RunResult, png: str | Path) -> Path:
                  f"{cfg.orchestrator} actors, {cfg.prompts}x{cfg.group} rollouts of {cfg.max_tokens} tokens",
                  fontsize=10)
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=len(PHASES), fontsize=8, frameon=False)
-    fig.tight_layout()
-    path = Path(png)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, png, dpi=120)
 
 
 def plot_rewards(runs: dict[str, RunResult], png: str | Path) -> Path:
@@ -147,6 +144,8 @@ def plot_rewards(runs: dict[str, RunResult], png: str | Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from ...modeling.plots import save_figure
 
     fig, ax = plt.subplots(figsize=(6, 3.6))
     for name, r in runs.items():
@@ -157,12 +156,7 @@ def plot_rewards(runs: dict[str, RunResult], png: str | Path) -> Path:
     ax.set_ylim(0, 1.05)
     ax.set_title("GRPO on a tiny Qwen3: the engine's reward, with and without refit", fontsize=10)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(png)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, png, dpi=120)
 
 
 __all__ = ["CALLS", "mean_sd", "pause_table", "plot_rewards", "plot_step_times", "reward_blocks", "reward_summary", "reward_table",
