@@ -113,9 +113,9 @@ def _run(cfg):
 def test_rl_loop_local_every_method():
     pytest.importorskip("vllm")
     from reshard.apps.rl.loop import RLConfig
-    from reshard.apps.rl.policy import REFIT_METHODS, hybrid_available
+    from reshard.apps.rl.policy import REFIT_METHODS
 
-    methods = tuple(m for m in REFIT_METHODS if m != "hybrid" or hybrid_available())
+    methods = REFIT_METHODS
     result = _run(RLConfig(steps=len(methods), methods=methods, verify=True, **SHORT))
     _check_run(result, methods)
 

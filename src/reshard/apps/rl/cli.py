@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from .orchestrate import LOCAL, ORCHESTRATORS
-from .policy import HYBRID, REFIT_METHODS
+from .policy import REFIT_METHODS
 
 DEFAULT_OUT = "reshard-out"
 
@@ -30,9 +30,7 @@ def _methods(s: str) -> tuple[str, ...]:
 
 
 def _default_methods() -> str:
-    from .policy import hybrid_available
-
-    return ",".join(m for m in REFIT_METHODS if m != HYBRID or hybrid_available())
+    return ",".join(REFIT_METHODS)
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -67,6 +65,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=int, default=d.prompts, help="prompts per step (default %(default)s)")
     p.add_argument("--group", type=int, default=d.group, help="completions per prompt (default %(default)s)")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="tokens per completion (default %(default)s)")
+    p.add_argument("--hidden", type=int, default=d.hidden,
+                   help="the policy's hidden size (MLP 2x; attention 4 heads of 32) (default %(default)s)")
+    p.add_argument("--layers", type=int, default=d.layers, help="the policy's decoder layers (default %(default)s)")
     p.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate (default %(default)s)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="bound on every call, s (default %(default)s)")
@@ -81,17 +82,13 @@ def config(args, *, refit: bool | None = None):
     return RLConfig(steps=args.steps, methods=args.methods or _methods(_default_methods()),
                     refit=(not args.no_refit) if refit is None else refit, orchestrator=args.orchestrator,
                     trainers=args.trainers, tp=args.tp, prompts=args.prompts, group=args.group,
-                    max_tokens=args.max_tokens, lr=args.lr, seed=args.seed, verify=args.verify,
+                    max_tokens=args.max_tokens, hidden=args.hidden, layers=args.layers, lr=args.lr, seed=args.seed, verify=args.verify,
                     timeout_s=args.timeout)
 
 
 def check(args) -> None:
     """Options checked before anything starts (a ``ValueError`` names the bad one)."""
-    from .policy import hybrid_available
-
     config(args)
-    if args.methods and HYBRID in args.methods and not hybrid_available():
-        raise ValueError("--methods: this reshard has no hybrid executor method yet")
     if args.control and args.no_refit:
         raise ValueError("--control adds a run without refit; --no-refit runs only that one")
     out = Path(args.out)

@@ -54,6 +54,8 @@ class RLConfig:
     prompts: int = 4  # per step
     group: int = 8  # completions per prompt
     max_tokens: int = 12
+    hidden: int = 64  # the policy's hidden size (its MLP is twice as wide)
+    layers: int = 2  # the policy's decoder layers
     temperature: float = 1.0
     lr: float = 1e-2
     seed: int = 0
@@ -68,6 +70,8 @@ class RLConfig:
             raise ValueError(f"prompts per step must be 1..{len(PROMPTS)}, got {self.prompts}")
         if self.steps < 1 or self.group < 2 or self.max_tokens < 1 or self.trainers < 1 or self.tp < 1:
             raise ValueError("steps, max_tokens, trainers and tp must be >= 1, group >= 2")
+        if self.hidden < 8 or self.hidden % 8 or self.layers < 1:
+            raise ValueError(f"hidden {self.hidden} must be a multiple of 8 (>= 8), layers {self.layers} >= 1")
         if (self.prompts * self.group) % self.trainers:
             raise ValueError(f"{self.prompts} x {self.group} completions do not split over {self.trainers} trainers")
 
@@ -196,7 +200,8 @@ def run(cfg: RLConfig, *, on_step: Callable[[StepRecord], None] | None = None,
     with tempfile.TemporaryDirectory(dir=workdir) as work:
         path, ckpt = os.path.join(work, "policy"), os.path.join(work, "refit-checkpoint")
         with output_to(log):  # transformers' and tokenizers' progress bars
-            save_policy_checkpoint(path, seed=cfg.seed)
+            save_policy_checkpoint(path, seed=cfg.seed, hidden_size=cfg.hidden, num_hidden_layers=cfg.layers,
+                                   intermediate_size=2 * cfg.hidden)
             tokenizer = AutoTokenizer.from_pretrained(path)
         task = WordPieceTask.from_tokenizer(tokenizer, toy_config("dense").vocab_size)
         result.random_reward = task.random_reward

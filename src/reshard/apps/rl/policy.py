@@ -42,13 +42,6 @@ REFIT_METHODS = (RESHARD, HYBRID, GATHER_BROADCAST, CHECKPOINT)
 SESSION_METHODS = (RESHARD, HYBRID)  # refit sessions of the reshard backend (an engine holds one per method)
 
 
-def hybrid_available() -> bool:
-    """Whether this reshard has the hybrid executor method (``reshard.execution.methods``)."""
-    from ...execution import methods
-
-    return HYBRID in methods.METHODS
-
-
 def save_policy_checkpoint(path: str, seed: int = 0, **overrides) -> None:
     """The initial policy: a tiny random Qwen3 (2 layers, hidden 64, 320 logits) and the toy tokenizer."""
     from ..toy_models import save_checkpoint
@@ -214,6 +207,5 @@ __all__ = [
     "RESHARD",
     "SESSION_METHODS",
     "PolicyTrainer",
-    "hybrid_available",
     "save_policy_checkpoint",
 ]

@@ -46,6 +46,7 @@ def timing_table(result: RunResult) -> Table:
     """Per method and phase: ms, mean ± sd over the method's timed steps."""
     by = timed_steps(result)
     table = Table(title=f"RL step time by refit method, ms: mean ± sd over steps (warm-up steps left out; "
+                        f"hidden {result.config.hidden}, {result.config.layers} layers; "
                         f"{result.config.trainers} FSDP2 ranks -> vLLM TP={result.config.tp}, "
                         f"{result.config.orchestrator} actors)")
     for col in ("method", "steps", *PHASES, "refit x reshard", "engine pause", "step"):
@@ -131,7 +132,7 @@ def plot_step_times(result: RunResult, png: str | Path) -> Path:
                     color="white" if refit > 0.08 * max(bottom) else "black")
     ax.set_ylabel("seconds per RL step (mean)")
     cfg = result.config
-    ax.set_title(f"RL step time by refit method\n{cfg.trainers} FSDP2 ranks -> vLLM TP={cfg.tp}, "
+    ax.set_title(f"RL step time by refit method (hidden {cfg.hidden}, {cfg.layers} layers)\n{cfg.trainers} FSDP2 ranks -> vLLM TP={cfg.tp}, "
                  f"{cfg.orchestrator} actors, {cfg.prompts}x{cfg.group} rollouts of {cfg.max_tokens} tokens",
                  fontsize=10)
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=len(PHASES), fontsize=8, frameon=False)
