@@ -17,10 +17,11 @@ README = ROOT.parents[1] / "README.md"
 # Each layer and the layers it may import. The flow is frameworks -> layout -> planning ->
 # execution -> refit -> integrations -> apps, with modeling beside planning; lower layers never
 # import higher ones.
-BASE = {"tensors", "gc_pause"}
+BASE = {"tensors", "gc_pause", "quant"}
 LAYERS: dict[str, set[str]] = {
     "tensors": set(),
     "gc_pause": set(),
+    "quant": set(),  # block FP8 quantization: torch only
     "placements": {"tensors"},
     "layout": BASE | {"placements"},
     "verify": BASE | {"layout"},
