@@ -57,6 +57,7 @@ from .base import (Executor, PhaseStats, RunStats, agree, check_buffers, check_s
                    plan_ranks_problem, synchronize)
 from .control import RefitError
 from .group import DEFAULT_TIMEOUT, Group
+from .heap import return_free_heap
 from .packing import Buffers, copy_within, pack, unpack
 
 DIGEST_BYTES = 8
@@ -196,6 +197,7 @@ class ReshardExecutor(Executor):
         arena = torch.empty(slots.nbytes, dtype=torch.uint8, device=device)
         self._rounds(name, part, src_buffers, dst_buffers, slots, arena)
         del arena
+        return_free_heap()
         self.where = f"{name} fan-out"
         copy_within(part.fanout, dst_buffers, dst_buffers, self.rank)
         synchronize(device)

@@ -31,6 +31,7 @@ from ..planning.schedule import Copy, Message
 from ..tensors import box_slices, buffer_view
 from .base import Executor, PhaseStats, RunStats, agree, check_buffers, device_of, plan_ranks_problem, synchronize
 from .group import DEFAULT_TIMEOUT, Group
+from .heap import return_free_heap
 from .packing import Buffers, copy_within, pack, unpack
 
 
@@ -195,6 +196,7 @@ class GatherBroadcastExecutor(Executor):
         t = time.perf_counter()
         synchronize(device)
         del arena
+        return_free_heap()
         bcast.seconds += time.perf_counter() - t
         gather.rounds = bcast.rounds = len(self.plan.tensors)
         return RunStats.of_phases(rank, [gather, bcast])
