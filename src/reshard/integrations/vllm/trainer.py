@@ -61,6 +61,7 @@ to :class:`ReshardSource` (the module itself, not a list of tensors).
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from concurrent.futures import Future
@@ -111,11 +112,20 @@ class ReshardTrainerInitInfo(TrainerInitInfo):
     comm_backend: str | None = None  # "gloo" or "nccl"; default: nccl when CUDA is available
     pause_mode: str | None = "keep"  # vLLM's pause mode around each refit ("abort", "wait", "keep"), or None
     checksum: bool = False  # an xxh3-64 digest per message, checked on arrival (catches corruption on the wire)
+    # rank 0's extra wait for an engine's weight-sync call once its own side of the same step ended:
+    # a worker that stalls keeps vLLM's RPC busy, so gating its engine waits up to timeout_s + this
+    engine_grace_s: float = 30.0
     # method "hybrid": regular expressions (re.search) of the tensors it moves by reshard; None: FFN and
     # expert weights (reshard.planning.hybrid.FFN_PATTERNS); [] sends every tensor by gather-and-broadcast
     hybrid_patterns: list[str] | None = None
 
     def __post_init__(self) -> None:
+        for name in ("timeout_s", "engine_grace_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value)
+                    and (value > 0 if name == "timeout_s" else value >= 0)):
+                raise ValueError(f"{name} must be a finite number of seconds (timeout_s > 0, engine_grace_s >= 0), "
+                                 f"got {value!r}")
         if self.method != AUTO:
             check_method(self.method)  # ValueError naming the methods
         if self.hybrid_patterns is not None:
@@ -415,7 +425,7 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
     @property
     def grace_s(self) -> float:
         """How long rank 0 waits for an engine's call once its own side of the same step is done."""
-        return self.init_info.timeout_s + 30.0
+        return self.init_info.timeout_s + self.init_info.engine_grace_s
 
     @classmethod
     def trainer_init(cls, init_info: ReshardTrainerInitInfo, *, client: VLLMWeightSyncClient,
