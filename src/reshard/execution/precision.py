@@ -1,0 +1,238 @@
+"""Running a refit straight into FP8 engines: quantize on the senders, move, quantize what is left.
+
+A :class:`~reshard.planning.precision.PrecisionPlan` runs in three steps on every rank::
+
+    quantize at source        each source rank quantizes the whole blocks it sends (its part of
+                              source_tasks) into FP8 and scale staging buffers
+    <the wire plan's phases>  FP8 values, scales, raw blocks (source precision, into destination
+                              staging) and kept / cast tensors, as ReshardExecutor moves any plan
+    quantize at destination   each destination rank quantizes the raw blocks it received into its
+                              FP8 weights and scales (destination_tasks)
+
+:class:`PrecisionExecutor` does it over a process group as one refit with one outcome: before any
+byte moves every rank checks its buffers (the caller's, against the plan's source and destination
+layouts: FP8 weights in float8_e4m3fn, ``<buffer>_scale_inv`` in float32) and all ranks compare the
+plan's fingerprint (which covers the dtype policy) and options; a problem raises the same
+``LayoutError`` on every rank with nothing written. A failure in any step raises
+:class:`~reshard.execution.control.RefitError` on every rank, and the run ends with one commit /
+abort decision (``decide=False`` leaves it to a refit session). :func:`run_local_precision` runs
+every rank's part in one process (tests)::
+
+    ex = PrecisionExecutor(precision_plan(src, dst, "fp8"), group)
+    stats = ex.run(src_buffers, engine_buffers)    # phases: quantize at source, transfer, quantize at destination
+
+Fault points (:mod:`reshard.execution.faults`): ``agreement``, ``quantize at source``, the wire
+plan's rounds, ``quantize at destination``.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from ..planning.plan import RankPlan
+from ..planning.precision import PrecisionPlan, QuantTask
+from ..quant import grid_shape, quantize_into
+from ..tensors import LayoutError, buffer_view
+from . import faults
+from .base import Executor, PhaseStats, RunStats, agree, check_buffers, check_storage, device_of, synchronize
+from .control import RefitError
+from .executor import ReshardExecutor
+from .group import DEFAULT_TIMEOUT, Group
+from .local import run_local
+from .packing import Buffers
+
+SOURCE_STEP, DESTINATION_STEP = "quantize at source", "quantize at destination"
+
+
+def run_quant_task(task: QuantTask, read: Buffers, write: Buffers) -> None:
+    """Quantize ``task``'s box of ``read[task.src_buffer]`` into its views of ``write`` (in place)."""
+    x = buffer_view(read[task.src_buffer], task.src_offsets, task.sizes)
+    q = buffer_view(write[task.q_buffer], task.q_offsets, task.sizes)
+    s = buffer_view(write[task.s_buffer], task.s_offsets, grid_shape(task.sizes, task.block))
+    quantize_into(x, q, s, task.block, task.ue8m0)
+
+
+def staging(plan: PrecisionPlan, rank: int, side: str, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """``rank``'s staging buffers for the quantization (``side``: ``"source"`` or ``"destination"``)."""
+    named = (plan.source_staging if side == "source" else plan.destination_staging).get(rank, {})
+    return {b: torch.empty(shape, dtype=dt, device=device) for b, (shape, dt) in named.items()}
+
+
+def _first_phase_reads(part: RankPlan) -> list:
+    return [c for m in part.sends for c in m.copies] + list(part.local)
+
+
+def run_local_precision(plan: PrecisionPlan, src_buffers: Mapping[int, Buffers], dst_buffers: Mapping[int, Buffers]
+                        ) -> None:
+    """Every rank's part of ``plan`` in this process: quantize at the sources, move (:func:`run_local`),
+    quantize at the destinations. ``dst_buffers[rank]`` are the engine's buffers (FP8 weights and
+    scales included: ``plan.destination.empty_buffers(rank)``), written in place.
+
+    >>> import torch, reshard as rs
+    >>> from reshard.planning.precision import precision_plan
+    >>> from reshard.quant import quantize_blocks
+    >>> spec = rs.TensorSpec("up_proj.weight", (256, 200), torch.bfloat16)
+    >>> src = rs.Layout.from_placements(spec, [0, 1, 2], (3,), [rs.Shard(0)])   # 86 rows each: no whole block
+    >>> dst = rs.Layout.from_placements(spec, [3, 4], (2,), [rs.Shard(0)])
+    >>> plan = precision_plan(src, dst, "fp8")
+    >>> full = {spec.name: torch.randn(spec.shape).to(spec.dtype)}
+    >>> out = {r: plan.destination.empty_buffers(r) for r in plan.destination.ranks}
+    >>> run_local_precision(plan, {r: src.materialize(r, full) for r in src.ranks}, out)
+    >>> q, s = quantize_blocks(full[spec.name])
+    >>> torch.equal(out[4]["up_proj.weight"].view(torch.uint8), q[128:].view(torch.uint8)), torch.equal(out[4]["up_proj.weight_scale_inv"], s[1:])
+    (True, True)
+    """
+    empty: dict[str, torch.Tensor] = {}
+    first = plan.phases[0] if plan.phases else None
+    msrc, mdst = {}, {}
+    for r in sorted(set(plan.source.ranks) | set(plan.source_staging)):
+        buffers = src_buffers.get(r, empty)
+        msrc[r] = {**buffers, **staging(plan, r, "source", device_of(buffers))}
+        if first is not None:
+            for task in plan.source_tasks(r, _first_phase_reads(first.for_rank(r))):
+                run_quant_task(task, msrc[r], msrc[r])
+    for r in sorted(set(plan.destination.ranks) | set(plan.destination_staging)):
+        buffers = dst_buffers.get(r, empty)
+        mdst[r] = {**buffers, **staging(plan, r, "destination", device_of(buffers))}
+    run_local(plan.wire, msrc, mdst)
+    for r in plan.destination_staging:
+        for task in plan.destination_tasks(r):
+            run_quant_task(task, mdst[r], dst_buffers[r])
+
+
+class PrecisionExecutor(Executor):
+    """Runs a :class:`PrecisionPlan` over ``group`` (see module doc). Every rank of the group constructs
+    it with the same plan and calls :meth:`run`; ``overlap``, ``checksum`` and ``allow_lossy`` are the
+    reshard executor's (``allow_lossy`` covers casts of kept and cast tensors; quantization saturates
+    by its rule and is never refused)."""
+
+    def __init__(self, plan: PrecisionPlan, group: Group | dist.ProcessGroup | None = None, *,
+                 timeout: timedelta = DEFAULT_TIMEOUT, overlap: bool = True, checksum: bool = False,
+                 allow_lossy: bool = False) -> None:
+        if not isinstance(plan, PrecisionPlan):
+            raise TypeError(f"PrecisionExecutor runs a PrecisionPlan (precision_plan(...)), got {type(plan).__name__}")
+        self.plan = plan
+        self.group = Group.of(group)
+        self.timeout = timeout
+        self.checksum, self.allow_lossy = checksum, allow_lossy
+        self.rank = self.group.rank
+        self.touched = False
+        self._step: str | None = None
+        self.wire = ReshardExecutor(plan.wire, self.group, timeout=timeout, overlap=overlap, checksum=checksum,
+                                    allow_lossy=allow_lossy)
+        self.setup_error = self.wire.setup_error
+        parts = self.wire.parts
+        self.source_tasks = plan.source_tasks(self.rank, _first_phase_reads(parts[0])) if parts else []
+        self.destination_tasks = plan.destination_tasks(self.rank) if not self.setup_error else []
+
+    @property
+    def options(self) -> dict:
+        """What every rank must agree on besides the plan."""
+        return {"executor": "precision", "policy": self.plan.policy.key, "checksum": self.checksum,
+                "allow_lossy": self.allow_lossy}
+
+    @property
+    def where(self) -> str:
+        """The step a run is in (for errors)."""
+        return self._step if self._step is not None else self.wire.where
+
+    def staging_bytes(self) -> int:
+        """Bytes this rank allocates: the wire's staging plus the quantization's."""
+        figures = self.plan.staging_bytes()
+        return (self.wire.staging_bytes() + figures["source"].get(self.rank, 0)
+                + figures["destination"].get(self.rank, 0))
+
+    # ------------------------------------------------------------------ checks
+    def _user_buffers(self) -> tuple[set[str], set[str]]:
+        """(source buffers read, destination buffers written) of the caller's, by every step on this rank."""
+        own_src = set(self.plan.source_staging.get(self.rank, {}))
+        own_dst = set(self.plan.destination_staging.get(self.rank, {}))
+        parts = self.wire.parts
+        read = {t.src_buffer for t in self.source_tasks}
+        written = {b for t in self.destination_tasks for b in (t.q_buffer, t.s_buffer)}
+        if parts:
+            read |= {c.src_buffer for c in _first_phase_reads(parts[0])}
+            for part in parts:
+                written |= {c.dst_buffer for m in part.recvs for c in m.copies} | {c.dst_buffer for c in part.local} | {
+                    c.dst_buffer for c in part.fanout}
+        return read - own_src, written - own_dst
+
+    def check(self, src: Buffers, dst: Buffers, merged_src: Buffers, merged_dst: Buffers) -> str | None:
+        """The first problem with this rank's buffers, or None (see module doc)."""
+        if self.setup_error:
+            return self.setup_error
+        problem = self.wire.check(merged_src, merged_dst)
+        if problem:
+            return problem
+        read, written = self._user_buffers()
+        return (check_buffers(self.plan.source, self.rank, src, {t.src_buffer for t in self.source_tasks}, "source")
+                or check_buffers(self.plan.destination, self.rank, dst,
+                                 {b for t in self.destination_tasks for b in (t.q_buffer, t.s_buffer)}, "destination")
+                or check_storage(self.rank, {n: src[n] for n in sorted(read)}, {n: dst[n] for n in sorted(written)}))
+
+    # ------------------------------------------------------------------ run
+    def run(self, src_buffers: Buffers, dst_buffers: Buffers, *, decide: bool = True) -> RunStats:
+        """Quantize, move and quantize; ``dst_buffers`` (the engine's, FP8 weights and scales included) are
+        written in place. Collective over the group. Errors as :meth:`ReshardExecutor.run`'s."""
+        self._step, self.touched = "agreement", False
+        self.group.check_usable("agreement")
+        device = device_of(src_buffers, dst_buffers)
+        src_stage = staging(self.plan, self.rank, "source", device)
+        dst_stage = staging(self.plan, self.rank, "destination", device)
+        merged_src, merged_dst = {**src_buffers, **src_stage}, {**dst_buffers, **dst_stage}
+        error = self.check(src_buffers, dst_buffers, merged_src, merged_dst)
+        try:
+            faults.hit("agreement")
+            agree(self.group, self.plan.fingerprint(), error, self.options)
+        except RefitError as e:  # a rank never arrived: tell the others at once
+            raise self.group.fail(e.with_traceback(None)) from None
+        except LayoutError:
+            raise
+        except Exception as e:  # noqa: BLE001 - this rank failed before any byte moved
+            raise self.group.fail(RefitError("agreement", f"rank {self.rank}: {type(e).__name__}: {e}",
+                                             ranks=[self.rank])) from None
+        failure, phases = None, []
+        try:
+            with torch.inference_mode():  # writes autograd leaves and inference tensors in place
+                phases.append(self._quantize(SOURCE_STEP, self.source_tasks, merged_src, merged_src, src_stage,
+                                             device))
+                self._step = None
+                self.touched = True
+                phases += self.wire.move(merged_src, merged_dst, device)
+                phases.append(self._quantize(DESTINATION_STEP, self.destination_tasks, merged_dst, dst_buffers,
+                                             dst_stage, device))
+        except RefitError as e:
+            failure = RefitError(e.phase, str(e).partition(": ")[2], ranks=e.ranks)
+        except Exception as e:  # noqa: BLE001 - every rank hears of it
+            failure = RefitError(self.where, f"rank {self.rank}: {type(e).__name__}: {e}", ranks=[self.rank])
+        finally:
+            del src_stage, dst_stage, merged_src, merged_dst
+        if failure is not None:
+            raise self.group.fail(failure)
+        if decide:
+            try:
+                self.group.control.decide(None, self.timeout)
+            except RefitError as e:
+                raise self.group.fail(e) from None
+        return RunStats.of_phases(self.rank, phases)
+
+    def _quantize(self, step: str, tasks: Iterable[QuantTask], read: Buffers, write: Buffers,
+                  stage: Mapping[str, torch.Tensor], device: torch.device) -> PhaseStats:
+        self._step = step
+        start = time.perf_counter()
+        faults.hit(step)
+        written = 0
+        for task in tasks:
+            run_quant_task(task, read, write)
+            written += task.sizes[0] * task.sizes[1] + 4 * task.blocks
+        synchronize(device)
+        staged = sum(t.numel() * t.element_size() for t in stage.values())
+        return PhaseStats(step, time.perf_counter() - start, 0, 0, written, staged, 0, 0)
+
+
+__all__ = ["DESTINATION_STEP", "PrecisionExecutor", "SOURCE_STEP", "run_local_precision", "run_quant_task", "staging"]
