@@ -345,6 +345,13 @@ def _plan_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--max-bucket-mb", type=_cap_mb, default=0,
                    help="staging cap per rank in MiB for the plan's rounds (default: none)")
     p.add_argument("--no-baseline", action="store_true", help="skip the gather-and-broadcast byte count")
+    p.add_argument("--precision", choices=("bf16", "fp8"), default="bf16",
+                   help="destination precision: bf16 (default: the inference layout's dtype, as vLLM loads it) or "
+                        "fp8 (e4m3 with one float32 scale per 128x128 block for the linear weights; routers, norms, "
+                        "embeddings and the head kept): plans the refit straight into FP8 engines, each block "
+                        "quantized where it is whole (a source rank, else the destination); the tables and --json "
+                        "report its wire bytes, by precision (fp8, scales, raw, other), and where blocks are "
+                        "quantized; a destination split through a block is an error naming the tensor")
     p.add_argument("--plot", metavar="DIR", nargs="?", const=DEFAULT_OUT, default=None,
                    help="also write two PNGs to DIR (default when DIR is left out: ./" + DEFAULT_OUT + "): bytes "
                         "per (source, destination) rank pair as a heat map, and each GPU's load on NIC out/in and "
@@ -366,24 +373,32 @@ def _plan_parser(sub) -> argparse.ArgumentParser:
                         "not modeled), lower_bound_s (domain ingress over all of a domain's NICs), "
                         "lower_bound_term, lower_bound_job_s (over the job's NICs only), ours_over_bound, speedup (ours vs "
                         "hybrid, gather_broadcast, gather_broadcast_naive), bottleneck, cross_domain_bytes; "
-                        "rounds use a 1 GiB staging cap unless --max-bucket-mb is set, broadcasts 1 GiB buckets")
+                        "rounds use a 1 GiB staging cap unless --max-bucket-mb is set, broadcasts 1 GiB buckets; "
+                        "always precision, wire_bytes_by_precision ({fp8, scales, raw, other}), wire_bytes_by_dtype, "
+                        "blocks ({at_source, at_destination}) and bf16_wire_bytes (the BF16 plan's, to compare)")
     p.set_defaults(func=_plan, check=_check_plan, parser=p)
     return p
 
 
 def _plan(args) -> int:
     import json
+    import time
 
     from rich.console import Console
 
+    from ..frameworks.parallel import model_layouts
+    from ..planning.plan import plan
+    from ..planning.precision import DtypePolicy, precision_layout, precision_plan
     from ..tensors import LayoutError
-    from .report import plan_model, render, summarize
+    from .report import render, render_precision, summarize
 
     console = Console(stderr=args.json)
     infer = args.infer
     if args.independent_engines and "independent" not in infer:
         infer += ",independent"
     topo = None
+    policy = DtypePolicy.named("fp8") if args.precision == "fp8" else None
+    pp = None
     try:
         if args.topology is not None or args.plot is not None:
             from ..modeling.topology import Topology
@@ -393,26 +408,41 @@ def _plan(args) -> int:
             except ValueError as e:
                 raise ValueError(f"--topology: {e}") from None
         cap = cap_bytes(args.max_bucket_mb, "--max-bucket-mb")
-        refit, p, plan_s = plan_model(args.model, args.train, infer, cap)
-        summary = summarize(refit, p, baseline=not args.no_baseline)
+        refit = model_layouts(args.model, args.train, infer)
+        if policy is not None:  # a split through a block: one line naming the tensor, before any planning
+            precision_layout(refit.destination, policy)
+        t0 = time.perf_counter()
+        p = plan(refit.source, refit.destination, max_bucket_bytes=cap)
+        plan_s = time.perf_counter() - t0
+        if policy is not None:
+            t0 = time.perf_counter()
+            pp = precision_plan(refit.source, refit.destination, policy, max_bucket_bytes=cap)
+            fp8_s = time.perf_counter() - t0
+        summary = summarize(refit, p, baseline=not args.no_baseline, precision=pp)
     except (LayoutError, ValueError) as e:
         console.print(f"reshard plan: {e}", style="red", highlight=False, soft_wrap=True)
         return 2
+    wire = pp.wire if pp is not None else p
+    fingerprint = (pp or p).fingerprint()
     out = {"model": args.model, "train": refit.train.describe(), "infer": refit.infer.describe(),
            "engines": "independent" if refit.infer.independent else "one deployment",
-           "tensors": summary["tensors"], "wire_bytes": summary["wire_bytes"], "max_send_bytes": summary["max_send"],
-           "max_recv_bytes": summary["max_recv"], "gather_broadcast_bytes": summary.get("gather_broadcast"),
-           "fingerprint": p.fingerprint()}
+           "precision": args.precision, "tensors": summary["tensors"], "wire_bytes": wire.wire_bytes,
+           "max_send_bytes": max(wire.send_bytes.values(), default=0),
+           "max_recv_bytes": max(wire.recv_bytes.values(), default=0),
+           "gather_broadcast_bytes": summary.get("gather_broadcast"), "fingerprint": fingerprint,
+           **summary["precision"], "bf16_wire_bytes": p.wire_bytes}
     if not args.json:
         render(summary, console, f"{args.model}: train {args.train} -> infer {refit.infer.describe()}")
-        console.print(f"layouts built in {refit.build_s:.2f} s, planned in {plan_s:.2f} s; "
-                      f"fingerprint {p.fingerprint()}")
+        if pp is not None:
+            render_precision(summary, console)
+        console.print(f"layouts built in {refit.build_s:.2f} s, planned in {plan_s:.2f} s"
+                      + (f" (FP8 plan {fp8_s:.2f} s)" if pp is not None else "") + f"; fingerprint {fingerprint}")
     if topo is not None:
         from ..modeling.pipeline import RefitModel
         from ..modeling.topology import Placement
         from .simulate import METHODS, GiB, fit, model_figures
 
-        reason = fit(refit, topo)
+        reason = fit(refit, topo, policy)
         out.update(topology=topo.name, fits=reason is None, does_not_fit=reason)
         if reason is not None:  # the weights alone exceed a GPU: no time to model
             out.update(modeled_s=dict.fromkeys(METHODS))
@@ -421,15 +451,17 @@ def _plan(args) -> int:
                 print(json.dumps(out, indent=1))
             return 0
         place = Placement.contiguous(topo, refit.train_world, refit.infer_world, infer_start="domain")
-        m = RefitModel.build(refit.source, refit.destination, topo, placement=place, direct=p,
+        m = RefitModel.build(refit.source, refit.destination, topo, placement=place, direct=p, precision=pp,
                              max_bucket_bytes=p.max_bucket_bytes)
         if args.topology is not None:
             figures = model_figures(m, rounds_cap=p.max_bucket_bytes or GiB)
             out.update(figures)
             if not args.json:
-                _print_figures(console, topo, place, figures)
+                _print_figures(console, topo, place, figures, fp8=pp is not None)
         if args.plot is not None:
             stem = f"{args.model}-{args.train}-{infer}".replace(",", "_").replace(":", "_")
+            if pp is not None:
+                stem += "-fp8"
             paths = m.write_plots(args.plot, stem, args.model)
             _, est = m.estimate(m.reshard)
             b = est.bottleneck
@@ -442,11 +474,11 @@ def _plan(args) -> int:
     return 0
 
 
-def _print_figures(console, topo, place, f: dict) -> None:
+def _print_figures(console, topo, place, f: dict, fp8: bool = False) -> None:
     """The modeled times of ``reshard plan --topology``."""
     from rich.table import Table
 
-    t = Table(title=f"modeled on {topo.name} ({place.describe()})")
+    t = Table(title=f"modeled on {topo.name} ({place.describe()})" + (", FP8 destination" if fp8 else ""))
     for col in ("method", "modeled s", "x ours"):
         t.add_column(col, justify="left" if col == "method" else "right")
     ours = f["modeled_s"]["hierarchical"] or f["modeled_s"]["direct"]
@@ -463,6 +495,10 @@ def _print_figures(console, topo, place, f: dict) -> None:
     console.print(t)
     console.print(f"lower bound set by {f['lower_bound_term']}; ours / bound {f['ours_over_bound']:.2f}; "
                   f"bottleneck {f['bottleneck']}", highlight=False)
+    if fp8:
+        console.print("FP8 (modeled): reshard and the bounds move the FP8 plan's wire; the hybrid and "
+                      "gather-and-broadcast move BF16 and the engine quantizes on load (assumed, as vLLM does "
+                      "with BF16 weights for an FP8 model); quantize compute time not modeled", highlight=False)
 
 
 def _simulate_parser(sub) -> argparse.ArgumentParser:
@@ -471,14 +507,15 @@ def _simulate_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "simulate", help="model refit times at cluster scale beside the published figures (table + PNG)",
         description=(
-            "For each case, build the real training (Megatron-Core) and inference (vLLM) layouts of the model, "
+            "For each case, build the real training (Megatron-Core or FSDP2) and inference (vLLM) layouts of the model, "
             "plan the refit directly and in phases over NVLink domains, and model the time of both on the "
             "case's machine, beside the hybrid NeMo RL ships (FFN and experts by reshard, the rest broadcast), "
             "gather-and-broadcast as its best implementations run it and its naive single-root form, the "
             "physical lower bound, and the published figure. Rows follow the published engine arrangement "
             "where the source states it (independent engines: each holds the whole model) and say where our "
             "model differs from the published setup; a layout whose weights exceed a GPU's memory is reported "
-            "as not fitting. Pure computation: no process group, no GPU. The biggest case (a 2.4 T-parameter "
+            "as not fitting. The Kimi-K2 rows refit FSDP2 BF16 training into FP8 engines, as published "
+            "(--precision sets every row's destination precision). Pure computation: no process group, no GPU. The biggest case (a 2.4 T-parameter "
             "MoE on 1024 + 1024 GPUs) takes about a minute here."),
     )
     p.add_argument("--cases", default=",".join(c.key for c in CASES),
@@ -491,6 +528,11 @@ def _simulate_parser(sub) -> argparse.ArgumentParser:
                    help="staging cap per GPU in MiB, which sets the rounds (default %(default)s)")
     p.add_argument("--json", default=None,
                    help="also write the results as JSON here: per case the fields of `reshard plan --json`")
+    p.add_argument("--precision", choices=("bf16", "fp8"), default=None,
+                   help="destination precision of every row: bf16 or fp8 (e4m3, 128x128 block scales, as "
+                        "`reshard plan --precision`); default: each case's own (the Kimi-K2 rows fp8, as "
+                        "published; the others bf16). A layout FP8 cannot take is reported "
+                        "in its row")
     p.set_defaults(func=_simulate, check=_check_simulate, parser=p)
     return p
 
@@ -512,8 +554,9 @@ def _simulate(args) -> int:
     cap = cap_bytes(args.bucket_mb, "--bucket-mb", none=False)
     for k in keys:
         with console.status(f"planning and modeling {k} ..."):
-            results.append(simulate_case(known[k], max_bucket_bytes=cap))
-    render(results, console, f"modeled refit time (staging cap {args.bucket_mb:g} MiB per GPU)")
+            results.append(simulate_case(known[k], max_bucket_bytes=cap, precision=args.precision))
+    what = f"{args.precision.upper()} destination" if args.precision else "destination precision per case"
+    render(results, console, f"modeled refit time (staging cap {args.bucket_mb:g} MiB per GPU; {what})")
     png = f"{args.out}/simulate.png" if args.png is None else args.png
     if png:
         console.print(f"wrote {plot(results, png)}", highlight=False)

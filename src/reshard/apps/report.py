@@ -13,10 +13,33 @@ from ..frameworks.parallel import ModelLayouts, model_layouts
 from ..models.arch import CATEGORIES, category
 from ..planning.baseline import gather_broadcast_bytes
 from ..planning.plan import Plan, plan
+from ..tensors import dtype_name
 
 
-def summarize(refit: ModelLayouts, p: Plan, *, baseline: bool = True) -> dict:
-    """Figures of a plan: bytes by category, per-rank extremes, balance, baseline bytes."""
+def precision_summary(p: Plan, precision=None) -> dict:
+    """Wire bytes by precision (``fp8`` values, their ``scales``, ``raw`` blocks crossing in the source's
+    precision, ``other`` tensors), by dtype, and blocks quantized at a source / at the destination, of a
+    :class:`~reshard.planning.precision.PrecisionPlan` (None: the plain plan ``p``, all ``other``)."""
+    if precision is None:
+        by_dtype: dict[str, int] = {}
+        for name, b in p.tensor_wire_bytes().items():
+            if b:
+                d = dtype_name(p.destination.uniform_dtype(name) or p.destination.specs[name].dtype)
+                by_dtype[d] = by_dtype.get(d, 0) + b
+        return {"wire_bytes_by_precision": {"fp8": 0, "scales": 0, "raw": 0, "other": p.wire_bytes},
+                "wire_bytes_by_dtype": dict(sorted(by_dtype.items())), "fp8_tensors": 0,
+                "blocks": {"at_source": 0, "at_destination": 0}}
+    paths = precision.tensor_paths().values()
+    return {"wire_bytes_by_precision": precision.wire_bytes_by_path(),
+            "wire_bytes_by_dtype": precision.wire_bytes_by_dtype(), "fp8_tensors": len(precision.fp8),
+            "blocks": {"at_source": sum(x["source"] for x in paths),
+                       "at_destination": sum(x["destination"] for x in paths)}}
+
+
+def summarize(refit: ModelLayouts, p: Plan, *, baseline: bool = True, precision=None) -> dict:
+    """Figures of a plan: bytes by category, per-rank extremes, balance, baseline bytes; ``precision``
+    (a :class:`~reshard.planning.precision.PrecisionPlan` of the same layouts): its wire figures too
+    (``summary["precision"]``, :func:`precision_summary`; always there, for ``p`` without)."""
     by_cat = {c: 0 for c in CATEGORIES}
     total_cat = {c: 0 for c in CATEGORIES}
     wire = p.tensor_wire_bytes()
@@ -37,7 +60,37 @@ def summarize(refit: ModelLayouts, p: Plan, *, baseline: bool = True) -> dict:
     if baseline:
         gb = gather_broadcast_bytes(p)
         out["gather_broadcast"] = gb
+    out["precision"] = precision_summary(p, precision)
+    if precision is not None:
+        w = precision.wire
+        out["fp8"] = {"wire_bytes": w.wire_bytes, "max_send": max(w.send_bytes.values(), default=0),
+                      "max_recv": max(w.recv_bytes.values(), default=0)}
     return out
+
+
+def render_precision(summary: dict, console) -> None:
+    """The FP8 table of ``reshard plan --precision fp8``: wire bytes by precision beside the BF16 plan's."""
+    from rich.table import Table
+
+    gb = 1e9
+    s, f = summary["precision"], summary["fp8"]
+    w = s["wire_bytes_by_precision"]
+    t = Table(title="FP8 destination (e4m3, one scale per 128x128 block): wire by precision")
+    for col in ("crosses as", "reshard wire GB"):
+        t.add_column(col, justify="right" if col != "crosses as" else "left")
+    for key, label in (("fp8", "fp8 values (blocks quantized at a source)"), ("scales", "their float32 scales"),
+                       ("raw", "raw blocks in the source's precision (quantized at the destination)"),
+                       ("other", "other tensors (kept: routers, norms, embeddings, head)")):
+        t.add_row(label, f"{w[key] / gb:.3f}")
+    t.add_row("[bold]total (FP8 plan)", f"[bold]{f['wire_bytes'] / gb:.3f}")
+    t.add_row("BF16 plan, for comparison", f"{summary['wire_bytes'] / gb:.3f}")
+    console.print(t)
+    b = s["blocks"]
+    console.print(
+        f"{s['fp8_tensors']:,} FP8 tensors; blocks quantized at a source {b['at_source']:,}, at the destination "
+        f"{b['at_destination']:,}; FP8 wire {f['wire_bytes'] / max(summary['wire_bytes'], 1):.2f}x the BF16 "
+        f"plan's; per source rank sends max {f['max_send'] / gb:.2f} GB, per inference rank receives max "
+        f"{f['max_recv'] / gb:.2f} GB", highlight=False)
 
 
 def render(summary: dict, console, title: str) -> None:
@@ -85,4 +138,4 @@ def plan_model(model: str, train: str, infer: str, max_bucket_bytes: int | None 
     return refit, p, time.perf_counter() - t0
 
 
-__all__ = ["plan_model", "render", "summarize"]
+__all__ = ["plan_model", "precision_summary", "render", "render_precision", "summarize"]

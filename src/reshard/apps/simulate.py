@@ -1,6 +1,6 @@
 """``reshard simulate``: modeled refit times of whole models at cluster scale, beside published figures.
 
-For each case the real layouts are built (Megatron-Core training, vLLM inference), planned
+For each case the real layouts are built (Megatron-Core or FSDP2 training, vLLM inference), planned
 twice, and the plans' bytes per link fed to the cost model (:mod:`reshard.modeling.pipeline`):
 
     ours, hierarchical   each NVLink domain takes what it lacks over the network once
@@ -26,6 +26,15 @@ arrangement where the source states it, and say where our model of a row still d
 the published setup. A layout whose weights alone exceed a GPU's memory is reported as not
 fitting, without a time.
 
+Destination precision: each row in its case's precision (the Kimi-K2 rows FP8, as published;
+the others the engine's BF16), or every row in ``--precision bf16|fp8``. With FP8 (e4m3, one
+scale per 128 x 128 block, :meth:`~reshard.planning.precision.DtypePolicy.fp8`'s keep-list),
+reshard's rows and the lower bound model the FP8 plan's wire (blocks a source holds whole
+cross quantized, the others in BF16, quantized on the destination); the baselines move BF16
+whole and the engine quantizes on load (what vLLM does with BF16 weights for an FP8 model).
+Quantizing's compute time is not modeled. A layout FP8 cannot take (a destination split
+through a block) is reported in its row, like one that does not fit.
+
 Inference ranks start on a fresh NVLink domain (``infer_start="domain"``): training and
 inference pools on separate machines, as in the published setups. Pure: no process group.
 """
@@ -42,6 +51,8 @@ from ..frameworks.parallel import ModelLayouts, model_layouts
 from ..layout import Layout
 from ..modeling.pipeline import RefitModel
 from ..modeling.topology import Placement, Topology
+from ..planning.precision import DtypePolicy, precision_layout
+from ..tensors import LayoutError
 
 GiB = 1 << 30
 NEMO = "NeMo RL refit on H100"
@@ -61,6 +72,12 @@ class Case:
     published_s: tuple[float, ...] = ()  # seconds to compare with (one figure or a range)
     source: str = ""
     differs: str = ""  # where this row's model differs from the published setup
+    precision: str = "bf16"  # destination precision unless --precision says otherwise: bf16 (the engine's) or fp8
+
+
+PRECISIONS = ("bf16", "fp8")
+KIMI = "Kimi-K2 checkpoint engine"
+KIMI_PUBLISHED = "1.3 s (point-to-point RDMA design)"
 
 
 CASES = (
@@ -86,13 +103,13 @@ CASES = (
     Case("qwen30-h100-1dep", "qwen3-30b-a3b", "ep8,pp2", "tp8,dp2", "dgx-h100",
          "NeMo RL: 0.74-1.00 s", (0.74, 1.00), NEMO,
          "not the published arrangement: one deployment (dp2) instead of 2 engines"),
-    Case("kimi-h100", "kimi-k2", "tp1,ep32,pp4,dp2", "tp8,dp16", "dgx-h100",
-         "1.3 s (point-to-point RDMA design)", (1.3,), "Kimi-K2 checkpoint engine",
-         "published: FSDP training -> FP8 inference; modeled: Megatron -> BF16, one deployment "
-         "(16 independent TP8 engines do not fit)"),
-    Case("kimi-h100-engines", "kimi-k2", "tp1,ep32,pp4,dp2", "tp8,dp16,independent", "dgx-h100",
-         "1.3 s (point-to-point RDMA design)", (1.3,), "Kimi-K2 checkpoint engine",
-         "published: FSDP training -> FP8 inference; modeled: Megatron -> BF16"),
+    Case("kimi-h100", "kimi-k2", "fsdp:dp256", "tp8,dp16,ep", "dgx-h100", KIMI_PUBLISHED, (1.3,), KIMI,
+         "FSDP shard count and engine arrangement not stated in our source: FSDP2 over 256 GPUs (fsdp:dp256); "
+         "one expert-parallel deployment (tp8,dp16,ep), since 16 independent TP8 engines do not fit and "
+         "splitting the experts over 128 ranks by TP (16 rows) cuts FP8 blocks", precision="fp8"),
+    Case("kimi-h100-engines", "kimi-k2", "fsdp:dp256", "tp8,dp16,independent", "dgx-h100", KIMI_PUBLISHED,
+         (1.3,), KIMI, "FSDP shard count not stated in our source: fsdp:dp256; 16 independent TP8 engines",
+         precision="fp8"),
     Case("moe2.4t-h100", "moe-2.4t", "tp1,ep64,pp16", "tp8,dp128,ep", "dgx-h100",
          "4.3 s (refit only, 2.4 T BF16 MoE)", (4.3,), "reported 2.4 T-parameter MoE refit",
          "engine arrangement not stated in our source: one deployment (128 TP8 engines cannot hold 4.8 TB)"),
@@ -117,11 +134,15 @@ def rank_weight_bytes(layout: Layout) -> dict[int, int]:
     return {r: int(total[r]) for r in layout.ranks}
 
 
-def fit(lay: ModelLayouts, topology: Topology) -> str | None:
-    """Why the weights alone do not fit a GPU of ``topology`` (None: they fit, or memory is unknown)."""
+def fit(lay: ModelLayouts, topology: Topology, policy: DtypePolicy | None = None, *,
+        held: Layout | None = None) -> str | None:
+    """Why the weights alone do not fit a GPU of ``topology`` (None: they fit, or memory is unknown);
+    ``policy``: the inference side holds its tensors in those precisions (FP8 weights and scales);
+    ``held``: that layout already made (:func:`precision_layout`)."""
     if topology.gpu_memory_bytes is None:
         return None
-    for side, layout in (("training", lay.source), ("inference", lay.destination)):
+    dst = held if held is not None else (lay.destination if policy is None else precision_layout(lay.destination, policy))
+    for side, layout in (("training", lay.source), ("inference", dst)):
         held = rank_weight_bytes(layout)
         rank = max(held, key=held.get)
         if held[rank] > topology.gpu_memory_bytes:
@@ -167,6 +188,19 @@ def model_figures(m: RefitModel, *, rounds_cap: int | None = GiB, bucket_bytes: 
     }
 
 
+def precision_figures(m: RefitModel) -> dict:
+    """The FP8 plan's figures of a model built with a policy (empty without): wire bytes by precision
+    (fp8 values, their scales, raw blocks in the source's precision, other tensors) and by dtype, and
+    how many blocks are quantized at a source and at the destination."""
+    pp = m.precision
+    if pp is None:
+        return {}
+    paths = pp.tensor_paths().values()
+    return {"wire_bytes_by_precision": pp.wire_bytes_by_path(), "wire_bytes_by_dtype": pp.wire_bytes_by_dtype(),
+            "fp8_tensors": len(pp.fp8), "blocks_at_source": sum(p["source"] for p in paths),
+            "blocks_at_destination": sum(p["destination"] for p in paths)}
+
+
 @dataclass
 class Result:
     case: Case
@@ -174,6 +208,7 @@ class Result:
     does_not_fit: str | None
     plan_s: float  # wall time to build layouts and plans here
     notes: list[str] = field(default_factory=list)
+    precision: str = "bf16"
 
     def seconds(self, method: str) -> float | None:
         return self.figures["modeled_s"][method] if self.figures else None
@@ -194,22 +229,46 @@ class Result:
         return self.figures["speedup"][baseline] if self.figures else float("nan")
 
 
+def check_precision(precision: str) -> str:
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+    return precision
+
+
+def fp8_problem(lay: ModelLayouts) -> tuple[Layout | None, str | None]:
+    """(the inference layout in FP8, None) or (None, why it cannot hold FP8 blocks: a split through a
+    block, naming the tensor)."""
+    try:
+        return precision_layout(lay.destination, DtypePolicy.named("fp8")), None
+    except LayoutError as e:
+        return None, f"FP8 does not fit this layout: {e}"
+
+
 def simulate_case(case: Case, *, max_bucket_bytes: int = GiB, gather_bucket_bytes: int | None = GiB,
-                  topology: Topology | None = None) -> Result:
-    """Build, plan and model one case (tens of seconds for the biggest)."""
+                  topology: Topology | None = None, precision: str | None = None) -> Result:
+    """Build, plan and model one case (tens of seconds for the biggest) in ``precision`` (default: the
+    case's own)."""
     t0 = time.perf_counter()
+    prec = check_precision(precision or case.precision)
     topo = topology or Topology.preset(case.topology)
     lay = model_layouts(case.model, case.train, case.infer)
-    reason = fit(lay, topo)
+    policy = None
+    if prec == "fp8":
+        held, problem = fp8_problem(lay)
+        if problem is not None:
+            return Result(case, None, problem, time.perf_counter() - t0, precision=prec)
+        policy = DtypePolicy.named("fp8")
+    reason = fit(lay, topo, held=held if policy is not None else None)
     if reason is not None:
-        return Result(case, None, reason, time.perf_counter() - t0)
+        return Result(case, None, reason, time.perf_counter() - t0, precision=prec)
     placement = Placement.contiguous(topo, lay.train_world, lay.infer_world, infer_start="domain")
-    m = RefitModel.build(lay.source, lay.destination, topo, placement=placement)
+    m = RefitModel.build(lay.source, lay.destination, topo, placement=placement, policy=policy)
     if m.hierarchical is None:
         raise ValueError(f"case {case.key}: topology {topo.name} has no NVLink domains of several GPUs")
     plan_s = time.perf_counter() - t0
-    return Result(case, model_figures(m, rounds_cap=max_bucket_bytes, bucket_bytes=gather_bucket_bytes), None,
-                  plan_s)
+    figures = model_figures(m, rounds_cap=max_bucket_bytes, bucket_bytes=gather_bucket_bytes)
+    figures.update(precision_figures(m))
+    return Result(case, figures, None, plan_s, precision=prec)
 
 
 def _s(v: float | None, fmt: str = ".3f") -> str:
@@ -227,7 +286,8 @@ def render(results: list[Result], console, title: str = "modeled refit time") ->
     for r in results:
         c = r.case
         engines = "independent" if "independent" in c.infer else "one deployment"
-        name = f"{c.key}: {c.model} {c.train} -> {c.infer.replace(',independent', '')} on {c.topology}"
+        name = (f"{c.key}: {c.model} {c.train} -> {c.infer.replace(',independent', '')} {r.precision.upper()} "
+                f"on {c.topology}")
         if r.figures is None:
             t.add_row(name, engines, "[red]does not fit", *[""] * 8, c.published)
             continue
@@ -247,13 +307,25 @@ def render(results: list[Result], console, title: str = "modeled refit time") ->
             lines.append(f"bound set by {f['lower_bound_term']} (over the job's NICs only: "
                          f"{f['lower_bound_job_s']:.3f} s); our bottleneck: {f['bottleneck']}; "
                          f"{f['cross_domain_bytes'] / 1e9:,.0f} GB cross domains; planned in {r.plan_s:.1f} s")
+            if "wire_bytes_by_precision" in f:
+                lines.append(fp8_line(f))
         console.print(f"[bold]{c.key}[/]: " + "; ".join(lines), highlight=False)
+
+
+def fp8_line(f: dict) -> str:
+    """One line on an FP8 plan's wire (modeled): bytes by precision and where blocks are quantized."""
+    w = f["wire_bytes_by_precision"]
+    return (f"FP8 wire {f['wire_bytes'] / 1e9:,.1f} GB: fp8 {w['fp8'] / 1e9:,.1f}, scales {w['scales'] / 1e9:,.2f}, "
+            f"raw bf16 {w['raw'] / 1e9:,.1f}, other {w['other'] / 1e9:,.1f} GB; blocks quantized at the source "
+            f"{f['blocks_at_source']:,}, at the destination {f['blocks_at_destination']:,}; baselines move BF16 "
+            f"and the engine quantizes on load (assumed); quantize compute not modeled")
 
 
 def to_json(r: Result) -> dict:
     """A result as plain JSON (what ``reshard simulate --json`` writes per case)."""
     c = r.case
     out = {"case": c.key, "model": c.model, "train": c.train, "infer": c.infer, "topology": c.topology,
+           "precision": r.precision,
            "published": c.published, "published_s": list(c.published_s), "differs": c.differs or None,
            "fits": r.figures is not None, "does_not_fit": r.does_not_fit}
     out.update(r.figures or {"modeled_s": dict.fromkeys(METHODS)})
@@ -295,5 +367,5 @@ def plot(results: list[Result], path: str | Path) -> Path:
     return save_figure(fig, path, dpi=120)
 
 
-__all__ = ["CASES", "Case", "METHODS", "Result", "fit", "model_figures", "plot", "rank_weight_bytes", "render",
-           "simulate_case", "to_json"]
+__all__ = ["CASES", "Case", "METHODS", "PRECISIONS", "Result", "check_precision", "fit", "fp8_line", "fp8_problem",
+           "model_figures", "plot", "precision_figures", "rank_weight_bytes", "render", "simulate_case", "to_json"]

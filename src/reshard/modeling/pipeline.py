@@ -18,6 +18,15 @@
                                      only the NICs of the job's GPUs)
     m.write_plots(out_dir, stem)     bytes per rank pair (heat map) and link load per GPU (bars)
 
+Destination precision (``RefitModel.build(..., policy="fp8")``, :mod:`reshard.planning.precision`):
+``m.precision`` is the :class:`~reshard.planning.precision.PrecisionPlan` and ``m.direct`` /
+``m.hierarchical`` plan its wire (FP8 values and scales of blocks a source holds whole, raw
+blocks in the source's precision, the kept tensors), so reshard's modeled times and the lower
+bound are those of the FP8 refit. The baselines (gather-and-broadcast, the hybrid) are modeled
+moving the source's precision (BF16) whole, the engine quantizing on load, as vLLM does when
+an FP8 model is given BF16 weights. Quantization's compute time is not modeled
+(``benchmarks/bench_fp8.py`` measures it).
+
 Rounds: a plan with a staging cap is modeled with its own per-stream quotas; an uncapped plan
 with ``rounds_cap`` (the planner's quota rule on its payload bytes), else as one round.
 
@@ -45,6 +54,7 @@ from ..planning.baseline import stage_sends
 from ..planning.hierarchy import HierarchicalPlan, domain_need_bytes, hierarchical_plan
 from ..planning.hybrid import HybridRule, split_layout
 from ..planning.plan import PhasedPlan, Plan
+from ..planning.precision import PrecisionPlan, precision_plan
 from .cost import (Bound, Demand, Estimate, Traffic, gather_broadcast_fair_time, gather_broadcast_time_of,
                    lower_bound, model_time, traffic_from_pairs)
 from .plots import plot_link_load, plot_pair_bytes
@@ -61,25 +71,39 @@ class RefitModel:
     placement: Placement
     direct: Plan
     hierarchical: HierarchicalPlan | None
+    precision: PrecisionPlan | None = None  # set when built with a policy: direct / hierarchical plan its wire
     _estimates: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(cls, source: Layout, destination: Layout, topology: Topology, *, placement: Placement | None = None,
-              infer_start: str = "next", max_bucket_bytes: int | None = None, direct: Plan | None = None
-              ) -> "RefitModel":
+              infer_start: str = "next", max_bucket_bytes: int | None = None, direct: Plan | None = None,
+              policy=None, precision: PrecisionPlan | None = None) -> "RefitModel":
         """Place the ranks (default: training ranks on GPUs ``0..M-1``, inference ranks from
         ``infer_start``, see :meth:`Placement.contiguous`) and plan the refit both ways, with the
-        staging cap ``max_bucket_bytes``; ``direct`` reuses a direct plan already made."""
+        staging cap ``max_bucket_bytes``; ``direct`` reuses a direct plan already made. ``policy``
+        (a :class:`~reshard.planning.precision.DtypePolicy` or a name, ``"fp8"``) plans the refit in
+        those destination precisions (see module doc); ``precision`` reuses such a plan already made
+        (its direct wire plan)."""
         if placement is None:
             placement = Placement.contiguous(topology, len(source.ranks), len(destination.ranks),
                                              infer_start=infer_start)
-        if direct is None:
-            direct = Plan(source, destination, max_bucket_bytes=max_bucket_bytes)
+        if precision is None and policy is not None:
+            precision = precision_plan(source, destination, policy, max_bucket_bytes=max_bucket_bytes)
+        if precision is not None:  # plan the wire: its layouts hold the staging buffers of the quantization
+            if precision.domains is not None:
+                raise ValueError("RefitModel.build takes a direct PrecisionPlan (no domains); it plans the "
+                                 "hierarchical wire itself")
+            direct = precision.wire
+            plan_src, plan_dst = direct.source, direct.destination
+        else:
+            plan_src, plan_dst = source, destination
+            if direct is None:
+                direct = Plan(source, destination, max_bucket_bytes=max_bucket_bytes)
         hier = None
         if topology.gpus_per_domain > 1:
             domains = dict(enumerate(placement.domain_of.tolist()))
-            hier = hierarchical_plan(source, destination, domains, max_bucket_bytes=max_bucket_bytes)
-        return cls(source, destination, topology, placement, direct, hier)
+            hier = hierarchical_plan(plan_src, plan_dst, domains, max_bucket_bytes=max_bucket_bytes)
+        return cls(source, destination, topology, placement, direct, hier, precision)
 
     @property
     def reshard(self) -> PhasedPlan:
@@ -117,9 +141,18 @@ class RefitModel:
                 hit = gather_broadcast_fair_time(stage_sends(self.source, self.destination), self.destination.ranks,
                                                  self.placement, self.topology, bucket_bytes=bucket_bytes)
             else:
-                hit = gather_broadcast_time_of(self.direct, self.placement, self.topology, bucket_bytes=bucket_bytes)
+                hit = gather_broadcast_time_of(self._whole_refit(), self.placement, self.topology,
+                                               bucket_bytes=bucket_bytes)
             self._estimates[key] = hit
         return hit
+
+    def _whole_refit(self):
+        """What the naive baseline gathers and broadcasts: the direct plan, or with a precision plan
+        the source and destination layouts in the source's precision (the engine quantizes on load)."""
+        if self.precision is None:
+            return self.direct
+        return _Refit(self.source, self.destination,
+                      [n for n, t in self.destination.tables.items() if len(t) and n in self.source.specs])
 
     def hybrid(self, bucket_bytes: int | None = None, *, rounds_cap: int | None = None,
                rule: HybridRule | None = None) -> Estimate:
@@ -161,7 +194,7 @@ class RefitModel:
         return hit
 
     def demand(self) -> Demand:
-        """What any refit of these layouts must move (the lower bound's inputs).
+        """What any refit of these layouts must move (the lower bound's inputs; computed once).
 
         * per domain: the bytes it must take from other domains. With no source in any destination
           domain: the distinct boxes its destination ranks hold (identical boxes once,
@@ -173,6 +206,9 @@ class RefitModel:
         * sources: with no source in any destination domain, every distinct box must leave the
           sources once; bytes only one source rank holds must leave its domain.
         """
+        hit = self._estimates.get("demand")
+        if hit is not None:
+            return hit
         direct, dom = self.direct, self.placement.domain_of
         dst_domains = {int(dom[r]) for r in direct.destination.ranks}
         src_domains = {int(dom[r]) for r in direct.source.ranks}
@@ -188,8 +224,9 @@ class RefitModel:
                                                  {r: int(dom[r]) for r in direct.destination.ranks}))
         elif self.hierarchical is not None:
             ingress = dict(self.hierarchical.cross_domain_bytes)
-        return Demand(domain_ingress_bytes=ingress, dest_need_bytes=dict(direct.recv_bytes),
-                      source_egress_bytes=egress, source_exclusive_bytes=exclusive)
+        hit = self._estimates["demand"] = Demand(domain_ingress_bytes=ingress, dest_need_bytes=dict(direct.recv_bytes),
+                                                 source_egress_bytes=egress, source_exclusive_bytes=exclusive)
+        return hit
 
     def lower_bound(self, *, ingress: str = "domain") -> Bound:
         """What no refit can beat on these links (:func:`~reshard.modeling.cost.lower_bound`): ``ingress="domain"``
@@ -208,6 +245,16 @@ class RefitModel:
                                 title=f"{title}: bytes per (source, destination) pair"),
                 plot_link_load(traffic, out / f"{stem}-links.png", self.topology, estimate=est,
                                title=f"{title}: link load per GPU")]
+
+
+@dataclass(frozen=True)
+class _Refit:
+    """The layouts and tensors of a refit, all :func:`~reshard.modeling.cost.gather_broadcast_time_of`
+    reads of a plan."""
+
+    source: Layout
+    destination: Layout
+    tensors: list
 
 
 def exclusive_source_bytes(p: Plan) -> dict[int, float]:
