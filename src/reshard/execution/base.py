@@ -25,12 +25,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, ClassVar, Mapping, Sequence
 
 import torch
 
 from ..layout import Layout
 from ..tensors import LayoutError, cast_problem, narrowing
+from . import faults
+from .control import RefitError
 from .group import Group
 from .packing import Buffers
 
@@ -138,6 +140,24 @@ def agree(group: Group, fingerprint: str, error: str | None, options: Mapping | 
             raise LayoutError(f"ranks disagree on the executor option {key!r} ({detail})")
 
 
+def agree_before_moving(group: Group, fingerprint: str, error: str | None, options: Mapping,
+                        fail: Callable[[RefitError], RefitError] | None = None) -> None:
+    """An executor's agreement step (the ``agreement`` fault point, then :func:`agree`): a LayoutError
+    on every rank as is; a rank that never arrives, or this rank failing here, goes through ``fail``
+    (default ``group.fail``: abort, close the communicator) and is raised as a RefitError."""
+    fail = fail or group.fail
+    try:
+        faults.hit("agreement")
+        agree(group, fingerprint, error, options)
+    except RefitError as e:  # a rank never arrived: tell the others at once
+        raise fail(e.with_traceback(None)) from None
+    except LayoutError:
+        raise
+    except Exception as e:  # noqa: BLE001 - this rank failed before any byte moved
+        raise fail(RefitError("agreement", f"rank {group.rank}: {type(e).__name__}: {e}",
+                              ranks=[group.rank])) from None
+
+
 def plan_ranks_problem(plan: "PhasedPlan", size: int, rank: int) -> str | None:
     """A rank the plan names that the group does not have (it would crash the transport), or None."""
     for phase in plan.phases:
@@ -228,4 +248,4 @@ def lossy_cast_problem(rank: int, src: Buffers, pairs, executor: str) -> str | N
 
 
 __all__ = ["Executor", "PhaseStats", "RunStats", "agree", "check_buffers", "check_storage", "device_of",
-           "lossy_cast_problem", "plan_ranks_problem", "synchronize"]
+           "agree_before_moving", "lossy_cast_problem", "plan_ranks_problem", "synchronize"]

@@ -51,9 +51,8 @@ import xxhash
 
 from ..planning.plan import PhasedPlan, RankPlan
 from ..planning.schedule import Message
-from ..tensors import LayoutError
 from . import faults
-from .base import (Executor, PhaseStats, RunStats, agree, check_buffers, check_storage, device_of, lossy_cast_problem,
+from .base import (agree_before_moving, Executor, PhaseStats, RunStats, check_buffers, check_storage, device_of, lossy_cast_problem,
                    plan_ranks_problem, synchronize)
 from .control import RefitError
 from .group import DEFAULT_TIMEOUT, Group
@@ -151,16 +150,7 @@ class ReshardExecutor(Executor):
         self.where, self.touched = "agreement", False
         self.group.check_usable("agreement")
         error = self.check(src_buffers, dst_buffers)
-        try:
-            faults.hit("agreement")
-            agree(self.group, self.plan.fingerprint(), error, self.options)
-        except RefitError as e:  # a rank never arrived: tell the others at once
-            raise self.group.fail(e.with_traceback(None)) from None
-        except LayoutError:
-            raise
-        except Exception as e:  # noqa: BLE001 - this rank failed before any byte moved
-            raise self.group.fail(RefitError("agreement", f"rank {self.rank}: {type(e).__name__}: {e}",
-                                             ranks=[self.rank])) from None
+        agree_before_moving(self.group, self.plan.fingerprint(), error, self.options)
         failure = None
         try:
             self.touched = True

@@ -31,9 +31,8 @@ import torch
 import torch.distributed as dist
 
 from ..planning.hybrid import HybridPlan
-from ..tensors import LayoutError
 from . import faults
-from .base import (Executor, RunStats, agree, check_buffers, check_storage, device_of, lossy_cast_problem,
+from .base import (agree_before_moving, Executor, RunStats, agree, check_buffers, check_storage, device_of, lossy_cast_problem,
                    plan_ranks_problem)
 from .control import RefitError
 from .executor import ReshardExecutor
@@ -153,16 +152,7 @@ class HybridExecutor(Executor):
         self._where, self._in_reshard, self.touched = "agreement", False, False
         self.group.check_usable("agreement")
         error = self.check(src_buffers, dst_buffers)
-        try:
-            faults.hit("agreement")
-            agree(self.group, self.plan.fingerprint(), error, self.options)
-        except RefitError as e:  # a rank never arrived: tell the others at once
-            raise self._fail(e.with_traceback(None)) from None
-        except LayoutError:
-            raise
-        except Exception as e:  # noqa: BLE001 - this rank failed before any byte moved
-            raise self._fail(RefitError("agreement", f"rank {self.rank}: {type(e).__name__}: {e}",
-                                        ranks=[self.rank])) from None
+        agree_before_moving(self.group, self.plan.fingerprint(), error, self.options, fail=self._fail)
         failure, phases = None, []
         try:
             self.touched = True

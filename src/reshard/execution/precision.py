@@ -37,9 +37,9 @@ import torch.distributed as dist
 from ..planning.plan import RankPlan
 from ..planning.precision import PrecisionPlan, QuantTask
 from ..quant import grid_shape, quantize_into
-from ..tensors import LayoutError, buffer_view
+from ..tensors import buffer_view
 from . import faults
-from .base import Executor, PhaseStats, RunStats, agree, check_buffers, check_storage, device_of, synchronize
+from .base import agree_before_moving, Executor, PhaseStats, RunStats, check_buffers, check_storage, device_of, synchronize
 from .control import RefitError
 from .executor import ReshardExecutor
 from .group import DEFAULT_TIMEOUT, Group
@@ -186,16 +186,7 @@ class PrecisionExecutor(Executor):
         dst_stage = staging(self.plan, self.rank, "destination", device)
         merged_src, merged_dst = {**src_buffers, **src_stage}, {**dst_buffers, **dst_stage}
         error = self.check(src_buffers, dst_buffers, merged_src, merged_dst)
-        try:
-            faults.hit("agreement")
-            agree(self.group, self.plan.fingerprint(), error, self.options)
-        except RefitError as e:  # a rank never arrived: tell the others at once
-            raise self.group.fail(e.with_traceback(None)) from None
-        except LayoutError:
-            raise
-        except Exception as e:  # noqa: BLE001 - this rank failed before any byte moved
-            raise self.group.fail(RefitError("agreement", f"rank {self.rank}: {type(e).__name__}: {e}",
-                                             ranks=[self.rank])) from None
+        agree_before_moving(self.group, self.plan.fingerprint(), error, self.options)
         failure, phases = None, []
         try:
             with torch.inference_mode():  # writes autograd leaves and inference tensors in place
