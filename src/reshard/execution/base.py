@@ -158,6 +158,22 @@ def agree_before_moving(group: Group, fingerprint: str, error: str | None, optio
                               ranks=[group.rank])) from None
 
 
+def end_of_run(group: Group, failure: RefitError | None, decide: bool, timeout,
+               fail: Callable[[RefitError], RefitError] | None = None) -> None:
+    """An executor's last step: raise ``failure`` through ``fail`` (default ``group.fail``), else, when
+    ``decide``, take the group's commit decision. Called outside any ``except`` block, with a failure
+    that carries no traceback: nothing keeps a round's posted work (and with it the communicator)
+    alive, so that ``fail`` can close the connections."""
+    fail = fail or group.fail
+    if failure is not None:
+        raise fail(failure)
+    if decide:
+        try:
+            group.control.decide(None, timeout)
+        except RefitError as e:
+            raise fail(e) from None
+
+
 def plan_ranks_problem(plan: "PhasedPlan", size: int, rank: int) -> str | None:
     """A rank the plan names that the group does not have (it would crash the transport), or None."""
     for phase in plan.phases:
@@ -248,4 +264,4 @@ def lossy_cast_problem(rank: int, src: Buffers, pairs, executor: str) -> str | N
 
 
 __all__ = ["Executor", "PhaseStats", "RunStats", "agree", "check_buffers", "check_storage", "device_of",
-           "agree_before_moving", "lossy_cast_problem", "plan_ranks_problem", "synchronize"]
+           "agree_before_moving", "end_of_run", "lossy_cast_problem", "plan_ranks_problem", "synchronize"]

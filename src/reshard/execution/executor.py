@@ -52,8 +52,8 @@ import xxhash
 from ..planning.plan import PhasedPlan, RankPlan
 from ..planning.schedule import Message
 from . import faults
-from .base import (agree_before_moving, Executor, PhaseStats, RunStats, check_buffers, check_storage, device_of, lossy_cast_problem,
-                   plan_ranks_problem, synchronize)
+from .base import (Executor, PhaseStats, RunStats, agree_before_moving, check_buffers, check_storage, device_of,
+                   end_of_run, lossy_cast_problem, plan_ranks_problem, synchronize)
 from .control import RefitError
 from .group import DEFAULT_TIMEOUT, Group
 from .heap import return_free_heap
@@ -161,15 +161,7 @@ class ReshardExecutor(Executor):
             failure = RefitError(e.phase, str(e).partition(": ")[2], ranks=e.ranks)
         except Exception as e:  # noqa: BLE001 - every rank hears of it
             failure = RefitError(self.where, f"rank {self.rank}: {type(e).__name__}: {e}", ranks=[self.rank])
-        if failure is not None:
-            # raised outside the except blocks, with no traceback: nothing keeps the round's posted work
-            # (and with it the communicator) alive, so that Group.fail can close the connections
-            raise self.group.fail(failure)
-        if decide:
-            try:
-                self.group.control.decide(None, self.timeout)
-            except RefitError as e:
-                raise self.group.fail(e) from None
+        end_of_run(self.group, failure, decide, self.timeout)
         return RunStats.of_phases(self.rank, phases)
 
     def move(self, src_buffers: Buffers, dst_buffers: Buffers, device: torch.device) -> list[PhaseStats]:

@@ -32,8 +32,8 @@ import torch.distributed as dist
 
 from ..planning.hybrid import HybridPlan
 from . import faults
-from .base import (agree_before_moving, Executor, RunStats, agree, check_buffers, check_storage, device_of, lossy_cast_problem,
-                   plan_ranks_problem)
+from .base import (Executor, RunStats, agree, agree_before_moving, check_buffers, check_storage, device_of,
+                   end_of_run, lossy_cast_problem, plan_ranks_problem)
 from .control import RefitError
 from .executor import ReshardExecutor
 from .gather_broadcast import GatherBroadcastExecutor
@@ -171,14 +171,7 @@ class HybridExecutor(Executor):
             failure = RefitError(phase, str(e).partition(": ")[2], ranks=e.ranks)
         except Exception as e:  # noqa: BLE001 - every rank hears of it
             failure = RefitError(self.where, f"rank {self.rank}: {type(e).__name__}: {e}", ranks=[self.rank])
-        if failure is not None:
-            # raised outside the except blocks, with no traceback: nothing keeps posted work alive
-            raise self._fail(failure)
-        if decide:
-            try:
-                self.group.control.decide(None, self.timeout)
-            except RefitError as e:
-                raise self._fail(e) from None
+        end_of_run(self.group, failure, decide, self.timeout, fail=self._fail)
         return RunStats.of_phases(self.rank, phases)
 
     def _fail(self, error: RefitError) -> RefitError:

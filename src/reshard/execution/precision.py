@@ -39,7 +39,8 @@ from ..planning.precision import PrecisionPlan, QuantTask
 from ..quant import grid_shape, quantize_into
 from ..tensors import buffer_view
 from . import faults
-from .base import agree_before_moving, Executor, PhaseStats, RunStats, check_buffers, check_storage, device_of, synchronize
+from .base import (Executor, PhaseStats, RunStats, agree_before_moving, check_buffers, check_storage, device_of,
+                   end_of_run, synchronize)
 from .control import RefitError
 from .executor import ReshardExecutor
 from .group import DEFAULT_TIMEOUT, Group
@@ -203,13 +204,7 @@ class PrecisionExecutor(Executor):
             failure = RefitError(self.where, f"rank {self.rank}: {type(e).__name__}: {e}", ranks=[self.rank])
         finally:
             del src_stage, dst_stage, merged_src, merged_dst
-        if failure is not None:
-            raise self.group.fail(failure)
-        if decide:
-            try:
-                self.group.control.decide(None, self.timeout)
-            except RefitError as e:
-                raise self.group.fail(e) from None
+        end_of_run(self.group, failure, decide, self.timeout)
         return RunStats.of_phases(self.rank, phases)
 
     def _quantize(self, step: str, tasks: Iterable[QuantTask], read: Buffers, write: Buffers,
