@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 CORE   := $(VENV)/.installed-core
 TEST   := $(VENV)/.installed-test
 
-.PHONY: demo test bench bench-scale bench-cost bench-vllm bench-soak bench-faults bench-checksum rl-demo example-vllm clean
+.PHONY: demo test bench bench-scale bench-cost bench-vllm bench-soak bench-faults bench-checksum bench-fp8 rl-demo example-vllm clean
 
 $(CORE): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -43,6 +43,10 @@ bench-soak: $(CORE)
 # the same refit with and without an xxh3-64 digest per message
 bench-checksum: $(CORE)
 	$(PY) benchmarks/bench_checksum.py
+
+# BF16 -> BF16 vs BF16 -> block FP8 refits of the demo model: wire bytes, time, quantize cost
+bench-fp8: $(CORE)
+	$(PY) benchmarks/bench_fp8.py
 
 # randomized faults (kill, stall, raise, corrupt) in refits over real processes: hangs, corruptions, torn models
 bench-faults: $(CORE)

@@ -432,7 +432,8 @@ def _plan(args) -> int:
            "gather_broadcast_bytes": summary.get("gather_broadcast"), "fingerprint": fingerprint,
            **summary["precision"], "bf16_wire_bytes": p.wire_bytes}
     if not args.json:
-        render(summary, console, f"{args.model}: train {args.train} -> infer {refit.infer.describe()}")
+        render(summary, console, f"{args.model}: train {args.train} -> infer {refit.infer.describe()}"
+               + (", the BF16 plan (FP8 below)" if pp is not None else ""))
         if pp is not None:
             render_precision(summary, console)
         console.print(f"layouts built in {refit.build_s:.2f} s, planned in {plan_s:.2f} s"

@@ -1,0 +1,179 @@
+"""BF16 -> BF16 vs BF16 -> FP8: wire bytes and time of the same refit into BF16 and into FP8 engines.
+
+Run from the repository root::
+
+    python benchmarks/bench_fp8.py [--repeat 5] [--layers 28] [--configs 2-2:2x1,4-4:4x1,3-2:2x1]
+
+One process group per configuration (CPU, gloo), the demo model (Qwen3-0.6B-shaped, ``--layers``
+decoder layers), FSDP2 training over M ranks -> N inference ranks (torch tensor-parallel
+replicas, ``tp x dp``). Per repeat, one run of each, in alternating order (the machine is noisy):
+
+    bf16    ReshardExecutor of the plain plan: every tensor crosses in BF16
+    fp8     PrecisionExecutor of ``precision_plan(..., "fp8")``: the linear weights as float8_e4m3fn
+            with one float32 scale per 128 x 128 block (routers, norms, embeddings, head kept in
+            BF16); each block is quantized on the source rank that holds it whole ("quantize at
+            source") or, where no source does (an uneven FSDP split), crosses in BF16 and is
+            quantized on the destination ("quantize at destination")
+
+Times are the slowest rank's wall time of one ``run``, median over repeats; the quantize columns
+are the slowest rank's time in those RunStats phases (median). Wire MiB are the plan's bytes
+between ranks, by what they cross as. Every destination byte is verified after every run: BF16
+against the test values, FP8 values and scales bit for bit against the reference quantizer
+(:func:`reshard.quant.quantize_blocks`) applied to the full tensor. All figures measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.table import Table
+
+import reshard as rs
+from reshard import verify
+from reshard.execution.precision import DESTINATION_STEP, SOURCE_STEP, PrecisionExecutor
+from reshard.frameworks.parallel import model_layouts
+from reshard.models import DEMO_MODEL, get_arch
+from reshard.planning.precision import precision_plan
+from reshard.quant import quantize_blocks, scale_name
+from reshard.tensors import box_slices, box_str, buffer_view
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_refit import parse_configs, print_header, spawn_for_json  # noqa: E402
+
+MiB = 1 << 20
+KINDS = ("bf16", "fp8")
+
+
+def _fp8_reference(pp, lay, rank: int) -> dict[str, torch.Tensor]:
+    """The reference quantizer's values and scales of every FP8 tensor ``rank`` holds (full tensors)."""
+    ref: dict[str, torch.Tensor] = {}
+    held = {p.tensor for p in pp.destination.pieces(rank)}
+    for name, info in pp.fp8.items():
+        if name not in held:
+            continue
+        spec = lay.source.specs[name]
+        full = verify.values(name, spec.shape, (0,) * len(spec.shape), spec.shape, spec.dtype)
+        ref[name], ref[scale_name(name)] = quantize_blocks(full, info.block, info.precision.ue8m0)
+    return ref
+
+
+def _check_fp8(pp, rank: int, buffers, ref) -> list[str]:
+    """Mismatches of ``rank``'s FP8 engine buffers: FP8 tensors and scales against ``ref`` bit for bit,
+    the kept tensors against the test values."""
+    out = []
+    for p in pp.destination.pieces(rank):
+        got = buffer_view(buffers[p.buffer], p.buffer_offsets, p.sizes)
+        if p.tensor in ref:
+            want, what = ref[p.tensor][box_slices(p.offsets, p.sizes)].contiguous(), "the reference quantizer"
+        else:
+            spec = pp.destination.specs[p.tensor]
+            want = verify.values(p.tensor, spec.shape, p.offsets, p.sizes, got.dtype, logical_dtype=spec.dtype)
+            what = "the test values"
+        if got.dtype != want.dtype or not torch.equal(got.contiguous().view(torch.uint8), want.view(torch.uint8)):
+            out.append(f"tensor {p.tensor!r} rank {rank}: box {box_str(p.offsets, p.sizes)} differs from {what}")
+    return out
+
+
+def _worker(rank: int, world: int, path: str, config: str, layers: int, repeat: int) -> None:
+    import json
+
+    (train, infer), = parse_configs(config)
+    lay = model_layouts(get_arch(DEMO_MODEL).with_overrides(layers=layers), train, infer)
+    src = verify.fill_source(lay.source, rank) if rank in lay.source_ranks else {}
+    plans = {"bf16": rs.plan(lay.source, lay.destination, max_bucket_bytes=32 * MiB),
+             "fp8": precision_plan(lay.source, lay.destination, "fp8", max_bucket_bytes=32 * MiB)}
+    pp = plans["fp8"]
+    dst = {"bf16": lay.destination.empty_buffers(rank), "fp8": pp.destination.empty_buffers(rank)}
+    executors = {"bf16": rs.ReshardExecutor(plans["bf16"]), "fp8": PrecisionExecutor(pp)}
+    ref = _fp8_reference(pp, lay, rank) if rank in lay.destination_ranks else {}
+    times = {k: [] for k in KINDS}
+    quant = {SOURCE_STEP: [], DESTINATION_STEP: []}
+    bad: list[str] = []
+    for i in range(repeat + 1):
+        for kind in (KINDS if i % 2 else KINDS[::-1]):
+            for t in dst[kind].values():
+                t.zero_()
+            dist.barrier()
+            t0 = time.perf_counter()
+            stats = executors[kind].run(src, dst[kind])
+            elapsed = time.perf_counter() - t0
+            if i:  # the first round warms up
+                times[kind].append(elapsed)
+                if kind == "fp8":
+                    steps = {p.name: p.seconds for p in stats.phases}
+                    for step in quant:
+                        quant[step].append(steps.get(step, 0.0))
+            if rank in lay.destination_ranks:
+                if kind == "bf16":
+                    bad += verify.check_destination(lay.destination, rank, dst[kind])[:1]
+                else:
+                    bad += _check_fp8(pp, rank, dst[kind], ref)[:1]
+    paths = pp.tensor_paths().values()
+    everyone = [None] * world
+    dist.all_gather_object(everyone, {
+        "times": times, "quant": quant, "bad": bad, "bf16_bytes": plans["bf16"].wire_bytes,
+        "fp8_by_path": pp.wire_bytes_by_path(), "fp8_bytes": pp.wire_bytes,
+        "blocks": [sum(p["source"] for p in paths), sum(p["destination"] for p in paths)]})
+    if rank == 0:
+        with open(path, "w") as f:
+            json.dump(everyone, f)
+
+
+def _median_of_slowest(ranks, get, repeat: int) -> float:
+    return statistics.median(max(get(r)[i] for r in ranks) for i in range(repeat))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=28,
+                    help="decoder layers of the demo model (default %(default)s: all of Qwen3-0.6B, so the linear "
+                         "weights FP8 applies to outweigh the BF16 embeddings and head)")
+    ap.add_argument("--configs", default="2-2:2x1,4-4:4x1,3-2:2x1",
+                    help="M-N:TPxDP, comma-separated: FSDP2 over M ranks -> N ranks as DP replicas of TP "
+                         "(default %(default)s; 3 sources split the weights unevenly: some blocks are "
+                         "quantized at the destination)")
+    args = ap.parse_args(argv)
+    console = Console(width=max(Console().width, 180))
+    print_header(console, "benchmarks/bench_fp8.py", argv)
+    table = Table(title=f"BF16 -> BF16 vs BF16 -> FP8 (e4m3, 128x128 block scales), {args.layers}-layer "
+                        f"{DEMO_MODEL}, gloo on this CPU (measured; median of {args.repeat})")
+    cols = ("config", "destination", "wire MiB", "fp8 / scales / raw bf16 / other MiB", "blocks at src / dst",
+            "refit s", "quantize at source s", "quantize at destination s", "x bf16 time")
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("config", "destination") else "right")
+    ok = True
+    for config in args.configs.split(","):
+        (train, infer), = parse_configs(config)
+        world = train.world + infer.world
+        ranks = spawn_for_json(_worker, world, config, args.layers, args.repeat)
+        ok &= not any(r["bad"] for r in ranks)
+        for r in ranks:
+            for b in r["bad"]:
+                console.print(f"[red]{b}", highlight=False)
+        t = {k: _median_of_slowest(ranks, lambda r, k=k: r["times"][k], args.repeat) for k in KINDS}
+        q = {s: _median_of_slowest(ranks, lambda r, s=s: r["quant"][s], args.repeat)
+             for s in (SOURCE_STEP, DESTINATION_STEP)}
+        r0 = ranks[0]
+        w = r0["fp8_by_path"]
+        table.add_row(config, "BF16", f"{r0['bf16_bytes'] / MiB:.1f}", f"- / - / - / {r0['bf16_bytes'] / MiB:.1f}",
+                      "-", f"{t['bf16']:.3f}", "-", "-", "1.00x")
+        table.add_row("", "FP8", f"{r0['fp8_bytes'] / MiB:.1f}",
+                      " / ".join(f"{w[k] / MiB:.1f}" for k in ("fp8", "scales", "raw", "other")),
+                      f"{r0['blocks'][0]:,} / {r0['blocks'][1]:,}", f"{t['fp8']:.3f}", f"{q[SOURCE_STEP]:.3f}",
+                      f"{q[DESTINATION_STEP]:.3f}", f"{t['fp8'] / t['bf16']:.2f}x", end_section=True)
+    console.print(table)
+    console.print("every destination byte verified after every run (FP8 against the reference quantizer)" if ok
+                  else "[red]WRONG BYTES")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
