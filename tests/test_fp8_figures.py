@@ -120,14 +120,17 @@ def test_a_kimi_engine_that_does_not_fit_says_so_in_fp8():
     assert "inference rank" in r.does_not_fit and "130 GB of weights, a dgx-h100 GPU has 80 GB" in r.does_not_fit
 
 
-def test_run_local_runs_a_precision_plan():
+def test_run_local_points_a_precision_plan_to_run_local_precision():
     spec = rs.TensorSpec("mlp.up_proj.weight", (256, 256), torch.bfloat16)
     src = rs.Layout.from_placements(spec, [0, 1, 2], (3,), [rs.Shard(0)])  # uneven: both paths
     dst = rs.Layout.from_placements(spec, [3, 4], (2,), [rs.Shard(1)])
     plan = precision_plan(src, dst, "fp8")
     full = {spec.name: torch.randn(spec.shape).to(spec.dtype)}
     out = {r: plan.destination.empty_buffers(r) for r in plan.destination.ranks}
-    run_local(plan, {r: src.materialize(r, full) for r in src.ranks}, out)
+    sources = {r: src.materialize(r, full) for r in src.ranks}
+    with pytest.raises(TypeError, match="run_local_precision"):
+        run_local(plan, sources, out)
+    rs.run_local_precision(plan, sources, out)
     q, s = quantize_blocks(full[spec.name])
     assert torch.equal(out[3][spec.name].view(torch.uint8), q[:, :128].view(torch.uint8))
     assert torch.equal(out[4][spec.name + "_scale_inv"], s[:, 1:])

@@ -11,6 +11,7 @@ from typing import Mapping
 import torch
 
 from ..planning.plan import PhasedPlan, Plan
+from ..planning.precision import PrecisionPlan
 from .packing import Buffers, copy_within, pack, unpack
 
 
@@ -19,8 +20,7 @@ def run_local(plan: PhasedPlan, src_buffers: Mapping[int, Buffers], dst_buffers:
 
     ``src_buffers[rank]`` / ``dst_buffers[rank]`` are ``{buffer_name: Tensor}``;
     destination tensors are written in place. A :class:`~reshard.planning.precision.PrecisionPlan`
-    goes to :func:`~reshard.execution.precision.run_local_precision` (quantize at the sources, move,
-    quantize at the destinations; ``dst_buffers`` are then its destination's, FP8 and scales).
+    also quantizes: :func:`~reshard.execution.precision.run_local_precision` runs it.
 
     >>> import torch, reshard as rs
     >>> spec = rs.TensorSpec("w", (2, 4), torch.float32)
@@ -32,13 +32,9 @@ def run_local(plan: PhasedPlan, src_buffers: Mapping[int, Buffers], dst_buffers:
     >>> out[3]["w"].tolist()
     [[2.0, 3.0], [6.0, 7.0]]
     """
-    from ..planning.precision import PrecisionPlan
-
-    if isinstance(plan, PrecisionPlan):
-        from .precision import run_local_precision  # imports this module
-
-        run_local_precision(plan, src_buffers, dst_buffers)
-        return
+    if isinstance(plan, PrecisionPlan):  # its wire phases read staging that quantizing fills first
+        raise TypeError("run_local moves bytes only; a PrecisionPlan also quantizes: use "
+                        "reshard.execution.precision.run_local_precision (rs.run_local_precision)")
     for i, phase in enumerate(plan.phases):
         _run_phase(phase, src_buffers if i == 0 else dst_buffers, dst_buffers)
 
