@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 import reshard as rs
 from reshard.execution.precision import PrecisionExecutor, run_local_precision
+from reshard.execution.process_group import free_port
 from reshard.planning.precision import (DESTINATION, SOURCE, Cast, DtypePolicy, FP8Block, Keep, PrecisionPlan,
                                         precision_layout)
 from reshard.quant import FP8_DTYPE, FP8_MAX, quantize_blocks, scale_name
@@ -311,6 +312,10 @@ def _sentinel(shape, dtype):
     return torch.full(shape, -7.0).to(dtype)
 
 
+def _zeros(shape, dtype):
+    return torch.zeros(shape, dtype=dtype)
+
+
 @PROPS
 @given(fp8_cases())
 def test_fp8_refit_equals_the_reference_quantizer_bit_for_bit(case):
@@ -352,12 +357,12 @@ def test_hierarchical_fp8_refit_is_exact_too(case):
     out = {r: plan.destination.empty_buffers(r) for r in plan.destination.ranks}
     run_local_precision(plan, {r: src.materialize(r, full) for r in src.ranks}, out)
     for r in plan.destination.ranks:
-        for b, t in _expected(plan, r, full, lambda shape, dt: torch.zeros(shape, dtype=dt)).items():
+        for b, t in _expected(plan, r, full, _zeros).items():
             assert same_bits(out[r][b], t), (r, b)
 
 
 # ---------------------------------------------------------------------------- multi-process (gloo)
-def _gloo_fp8(rank, world):
+def _gloo_fp8(rank, world, store_addr):
     """Ranks 0-2: FSDP-like uneven split (chunk: 171 + 171 + 170 rows); ranks 3-4: TP 2 engine (qkv-like
     fused buffer of two FP8 tensors by rows, a kept norm)."""
     from datetime import timedelta
@@ -393,12 +398,66 @@ def _gloo_fp8(rank, world):
                                              r"layout says \(384, 200\) torch.float8_e4m3fn"):
         ex.run(sb, db)
     assert all(same_bits(db[k], v) for k, v in before.items())
+    _session_fp8(rank, world, store_addr, src, dst, full)
+
+
+def _session_fp8(rank, world, store_addr, src, dst, full):
+    """The same refit through a session under the FP8 policy: the engine side declares its BF16 layout
+    and holds FP8 weights and scales; a fault while quantizing poisons the engines, and after recovery
+    a catch-up from the trainer quantizes again, bit for bit."""
+    from datetime import timedelta
+
+    from reshard.execution import faults
+    from reshard.refit.session import RefitError, RefitSession
+    from reshard.refit.sides import Side
+
+    eng = dst.ranks
+    engine = precision_layout(dst, "fp8").empty_buffers(rank) if rank in eng else None
+    source = Side.from_layout(src, rank, src.materialize(rank, full)) if rank in src.ranks else None
+    destination = Side.from_layout(dst, rank, engine) if engine is not None else None
+    s = RefitSession.connect(source=source, destination=destination, store_addr=store_addr, rank=rank,
+                             world_size=world, timeout=timedelta(seconds=5), precision="fp8", max_bucket_bytes=16384)
+    stats = s.refit(1)
+    want = _expected(s.plan, rank, full, _zeros) if rank in eng else {}
+    assert all(same_bits(engine[k], v) for k, v in want.items()), rank
+    assert stats.in_place_bytes == sum(v.numel() * v.element_size() for v in want.values())
+    assert [p.name for p in stats.run.phases] == ["quantize at source", "transfer", "quantize at destination"]
+    # a fault at the destination's quantization: every rank raises, the engines are poisoned at version 1
+    if source is not None:
+        for t in source.tensors.values():
+            t.mul_(2)
+    if rank == 4:
+        faults.arm("raise@quantize at destination")
+    with pytest.raises(RefitError, match="quantize at destination"):
+        s.refit(2)
+    faults.arm(None)
+    assert s.version == 1 and s.state == ("poisoned" if rank in eng else "ready")
+    s = s.recover()
+    stats = s.catch_up(source="trainer", version=2)
+    assert s.state == "ready" and s.version == 2
+    twice = {n: (v * 2).to(v.dtype) for n, v in full.items()}
+    want = _expected(s.plan, rank, twice, _zeros) if rank in eng else {}
+    assert all(same_bits(engine[k], v) for k, v in want.items()), rank
+    s.close()
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(method="hybrid", precision="fp8"), "precision is an option of the reshard and hierarchical methods"),
+    (dict(method="gather-broadcast", precision="fp8"), "not method='gather-broadcast'"),
+    (dict(precision="fp4"), "unknown precision 'fp4'"),
+    (dict(precision=3), "dtype policy 3"),
+])
+def test_session_precision_options_are_checked_before_connecting(options, match):
+    from reshard.refit.session import RefitError, RefitSession
+
+    with pytest.raises(RefitError, match=match):  # no store at port 1: it fails before any connection
+        RefitSession.connect(store_addr="127.0.0.1:1", rank=0, world_size=2, **options)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_fp8_refit_over_gloo():
-    rs.spawn(_gloo_fp8, 5)
+    rs.spawn(_gloo_fp8, 5, f"127.0.0.1:{free_port()}")
 
 
 # ---------------------------------------------------------------------------- vLLM

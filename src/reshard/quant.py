@@ -78,17 +78,22 @@ def check_block(block, what: str = "block") -> tuple[int, int]:
     return int(block[0]), int(block[1])
 
 
-def block_scales(x: torch.Tensor, block=DEFAULT_BLOCK, ue8m0: bool = False) -> torch.Tensor:
-    """The float32 scale of every block of 2-D ``x`` (see module doc), shape :func:`grid_shape`."""
+def _blocked(x: torch.Tensor, block) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x32, x4)``: a float32 copy of 2-D ``x``, zero-padded to whole blocks, and its
+    ``(block rows, bn, block cols, bk)`` view (zeros leave every block's max of ``|x|`` unchanged)."""
     bn, bk = check_block(block)
     if x.dim() != 2:
         raise ValueError(f"block quantization takes a 2-D tensor, got shape {tuple(x.shape)}")
     rows, cols = x.shape
     gr, gc = grid_shape((rows, cols), (bn, bk))
-    a = x.detach().to(torch.float32).abs()
-    if gr * bn != rows or gc * bk != cols:  # partial edge blocks: zeros leave the max of |x| unchanged
-        a = torch.nn.functional.pad(a, (0, gc * bk - cols, 0, gr * bn - rows))
-    amax = a.view(gr, bn, gc, bk).amax(dim=(1, 3))
+    whole = gr * bn == rows and gc * bk == cols
+    x32 = (torch.empty if whole else torch.zeros)((gr * bn, gc * bk), dtype=torch.float32, device=x.device)
+    x32[:rows, :cols].copy_(x.detach())
+    return x32, x32.view(gr, bn, gc, bk)
+
+
+def _scales(x4: torch.Tensor, ue8m0: bool) -> torch.Tensor:
+    amax = torch.maximum(x4.amax(dim=(1, 3)), x4.amin(dim=(1, 3)).neg_())  # max |x|, no |x| temporary
     s = amax / FP8_MAX
     if ue8m0:
         mant, exp = torch.frexp(s)  # s = mant * 2**exp, mant in [0.5, 1): a power of two has mant 0.5
@@ -96,12 +101,21 @@ def block_scales(x: torch.Tensor, block=DEFAULT_BLOCK, ue8m0: bool = False) -> t
     return torch.where(s == 0, torch.ones_like(s), s)
 
 
+def _scaled(x32: torch.Tensor, x4: torch.Tensor, scales: torch.Tensor, shape) -> torch.Tensor:
+    """``clamp(x / s, -448, 448)`` in place in ``x32``, cut back to ``shape`` (float32, not yet FP8)."""
+    x4.div_(scales[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX)
+    return x32[: shape[0], : shape[1]]
+
+
+def block_scales(x: torch.Tensor, block=DEFAULT_BLOCK, ue8m0: bool = False) -> torch.Tensor:
+    """The float32 scale of every block of 2-D ``x`` (see module doc), shape :func:`grid_shape`."""
+    return _scales(_blocked(x, block)[1], ue8m0)
+
+
 def quantize_with(x: torch.Tensor, scales: torch.Tensor, block=DEFAULT_BLOCK) -> torch.Tensor:
     """``float8_e4m3fn(clamp(x / s, -448, 448))`` with each element's block scale from ``scales``."""
-    bn, bk = check_block(block)
-    rows, cols = x.shape
-    full = scales.repeat_interleave(bn, 0)[:rows].repeat_interleave(bk, 1)[:, :cols]
-    return (x.detach().to(torch.float32) / full).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    x32, x4 = _blocked(x, block)
+    return _scaled(x32, x4, scales.to(torch.float32), x.shape).to(FP8_DTYPE)
 
 
 def quantize_blocks(x: torch.Tensor, block=DEFAULT_BLOCK, ue8m0: bool = False
@@ -112,17 +126,19 @@ def quantize_blocks(x: torch.Tensor, block=DEFAULT_BLOCK, ue8m0: bool = False
     >>> q.dtype, tuple(q.shape), tuple(s.shape), q.float().unique().tolist()
     (torch.float8_e4m3fn, (3, 5), (2, 2), [448.0])
     """
-    s = block_scales(x, block, ue8m0)
-    return quantize_with(x, s, block), s
+    x32, x4 = _blocked(x, block)
+    s = _scales(x4, ue8m0)
+    return _scaled(x32, x4, s, x.shape).to(FP8_DTYPE), s
 
 
 def quantize_into(x: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor, block=DEFAULT_BLOCK,
                   ue8m0: bool = False) -> None:
     """Quantize ``x`` (a box of whole blocks) into the views ``q_out`` (its shape, float8_e4m3fn) and
     ``s_out`` (its block grid, float32), in place: what senders and receivers of an FP8 refit run."""
-    s = block_scales(x, block, ue8m0)
+    x32, x4 = _blocked(x, block)
+    s = _scales(x4, ue8m0)
     s_out.copy_(s)
-    q_out.copy_(quantize_with(x, s, block))
+    q_out.copy_(_scaled(x32, x4, s, x.shape))
 
 
 def dequantize_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block=DEFAULT_BLOCK,

@@ -163,10 +163,16 @@ class PrecisionExecutor(Executor):
                     c.dst_buffer for c in part.fanout}
         return read - own_src, written - own_dst
 
-    def check(self, src: Buffers, dst: Buffers, merged_src: Buffers, merged_dst: Buffers) -> str | None:
-        """The first problem with this rank's buffers, or None (see module doc)."""
+    def check(self, src: Buffers, dst: Buffers, merged_src: Buffers | None = None,
+              merged_dst: Buffers | None = None) -> str | None:
+        """The first problem with this rank's buffers, or None (see module doc); ``merged_*``: the
+        buffers with this rank's staging added (allocated here when not given)."""
         if self.setup_error:
             return self.setup_error
+        if merged_src is None or merged_dst is None:
+            device = device_of(src, dst)
+            merged_src = {**src, **staging(self.plan, self.rank, "source", device)}
+            merged_dst = {**dst, **staging(self.plan, self.rank, "destination", device)}
         problem = self.wire.check(merged_src, merged_dst)
         if problem:
             return problem

@@ -60,10 +60,12 @@ from ..execution.control import RefitError
 from ..execution.executor import ReshardExecutor
 from ..execution.group import DEFAULT_TIMEOUT, Group
 from ..execution.methods import (GATHER_BROADCAST, HIERARCHICAL, HYBRID, RESHARD, check_method, method_executor,
-                                 method_plan)
+                                 method_plan, round_cap)
+from ..execution.precision import PrecisionExecutor
 from ..layout import Layout
 from ..planning.hybrid import BROADCAST_ONLY, HybridRule, as_rule
 from ..planning.plan import PhasedPlan, Plan
+from ..planning.precision import DtypePolicy, PrecisionPlan, as_policy
 from ..planning.schedule import check_max_bucket_bytes
 from ..tensors import LayoutError
 from .sides import Side, WriteReport
@@ -95,15 +97,17 @@ class RefitSession:
                  method: str = AUTO, domains: Mapping[int, int] | None = None,
                  max_bucket_bytes: int | None = DEFAULT_BUCKET_BYTES, timeout: timedelta = DEFAULT_TIMEOUT,
                  failure: str | None = None, checksum: bool = False, allow_lossy: bool = False,
-                 hybrid_rule: HybridRule | None = None, generation: int = 0, member: str | None = None,
-                 version: object = None, state: str = READY) -> None:
+                 hybrid_rule: HybridRule | None = None, precision: DtypePolicy | str | None = None,
+                 generation: int = 0, member: str | None = None, version: object = None,
+                 state: str = READY) -> None:
         self.group = group
         self.rank = group.rank
         self.source, self.destination = source, destination
         self.timeout = timeout
         self.options = dict(method=method, domains=domains, max_bucket_bytes=max_bucket_bytes, checksum=checksum,
-                            allow_lossy=allow_lossy, hybrid_rule=hybrid_rule)
+                            allow_lossy=allow_lossy, hybrid_rule=hybrid_rule, precision=precision)
         self.executor: Executor | None = None
+        self.writer = destination  # the side refits write: the destination, in its policy's precision
         self.generation = generation
         self.member = member or f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
         self.version: object = version
@@ -128,15 +132,25 @@ class RefitSession:
             if domains is None and method in (AUTO, HYBRID):
                 domains = detect_domains(group)
             self.method = (HIERARCHICAL if domains else RESHARD) if method == AUTO else method
-            # gather-and-broadcast runs as the hybrid whose rule picks nothing: the same bytes, with the
-            # session's checks and commit decision
-            kind, rule = (HYBRID, BROADCAST_ONLY) if self.method == GATHER_BROADCAST else (self.method, hybrid_rule)
-            self.plan: PhasedPlan = method_plan(kind, self.source_layout, self.destination_layout,
-                                                max_bucket_bytes=max_bucket_bytes, domains=domains,
-                                                rule=as_rule(rule))
-            # collective for the hybrid (the ranks agree, then its broadcast part splits the group)
-            self.executor = method_executor(kind, self.plan, group, timeout=timeout, checksum=checksum,
-                                            allow_lossy=allow_lossy)
+            if precision is not None:  # each destination tensor in its policy's precision (FP8 engines)
+                self.plan = PrecisionPlan(self.source_layout, self.destination_layout, precision,
+                                          max_bucket_bytes=round_cap(max_bucket_bytes),
+                                          domains=domains if self.method == HIERARCHICAL else None)
+                self.executor = PrecisionExecutor(self.plan, group, timeout=timeout, checksum=checksum,
+                                                  allow_lossy=allow_lossy)
+                if destination is not None:
+                    self.writer = destination.with_layout(self.plan.destination.subset([self.rank]))
+            else:
+                # gather-and-broadcast runs as the hybrid whose rule picks nothing: the same bytes, with
+                # the session's checks and commit decision
+                kind, rule = ((HYBRID, BROADCAST_ONLY) if self.method == GATHER_BROADCAST
+                              else (self.method, hybrid_rule))
+                self.plan: PhasedPlan = method_plan(kind, self.source_layout, self.destination_layout,
+                                                    max_bucket_bytes=max_bucket_bytes, domains=domains,
+                                                    rule=as_rule(rule))
+                # collective for the hybrid (the ranks agree, then its broadcast part splits the group)
+                self.executor = method_executor(kind, self.plan, group, timeout=timeout, checksum=checksum,
+                                                allow_lossy=allow_lossy)
             error = self.executor.setup_error or self.executor.check(
                 source.read() if source else {}, destination.begin_write() if destination else {})
             if destination is not None:
@@ -169,11 +183,16 @@ class RefitSession:
         :class:`~reshard.planning.hybrid.HybridRule`, a list of regular expressions or a predicate; the
         same on every rank; default FFN and expert weights), ``domains``
         (``{rank: NVLink domain}``), ``max_bucket_bytes``, ``checksum`` (a digest per message),
-        ``allow_lossy`` (send values a narrowing cast loses), ``failure`` (why this rank has no side to
+        ``allow_lossy`` (send values a narrowing cast loses), ``precision`` (a
+        :class:`~reshard.planning.precision.DtypePolicy` or ``"fp8"``, ``"bf16"``, ...: each destination
+        tensor's precision, FP8 with block scales quantized where the block is whole; the destination
+        side declares the engine's layout at the source's precision and holds the buffers of
+        :func:`~reshard.planning.precision.precision_layout`, FP8 weights and ``<buffer>_scale_inv``;
+        methods ``auto``, ``reshard``, ``hierarchical``), ``failure`` (why this rank has no side to
         offer: every rank raises it at once instead of waiting), ``member`` (this process's name in
         membership changes)."""
         _check_connect(timeout, options.get("method", AUTO), options.get("max_bucket_bytes", DEFAULT_BUCKET_BYTES),
-                       rank, world_size, options.get("hybrid_rule"))
+                       rank, world_size, options.get("hybrid_rule"), options.get("precision"))
         if group is not None:
             g = Group.of(group)
         elif store_addr is not None:
@@ -209,7 +228,7 @@ class RefitSession:
         Collective over the group; raises :class:`RefitError` on every rank if any rank fails (see
         module doc for the destination's state afterwards)."""
         return self._transfer(self.executor, self.source.read() if self.source else {},
-                              self.destination, version, f"refit to version {version!r}")
+                              self.writer, version, f"refit to version {version!r}")
 
     def _transfer(self, executor: Executor, src: dict, destination: Side | None, version: object,
                   what: str) -> RefitStats:
@@ -371,11 +390,13 @@ class RefitSession:
             return None
         donors = sorted(r for r, (v, st, has_dst) in self.members.items()
                         if has_dst and st == READY and v == version and r not in behind)
-        need = self.destination_layout.subset(behind)
+        precision = self.options["precision"]
+        held = self.writer_layout  # engines lend the bytes they hold (FP8 ones: FP8 values and scales)
+        need = held.subset(behind)
         plan = None
         if source in (AUTO, "engines") and donors:
             try:
-                plan = Plan(self.destination_layout.subset(donors), need,
+                plan = Plan(held.subset(donors), need,
                             max_bucket_bytes=self.options["max_bucket_bytes"])
             except (LayoutError, ValueError):
                 if source == "engines":
@@ -384,20 +405,36 @@ class RefitSession:
         if plan is None:
             if source == "engines":
                 raise RefitError("catch-up", f"no engine holds version {version!r}")
-            plan = Plan(self.source_layout, need, max_bucket_bytes=self.options["max_bucket_bytes"])
-        from_engines = plan.source is not self.source_layout
-        executor = ReshardExecutor(plan, self.group, timeout=self.timeout, checksum=self.options["checksum"],
-                                   allow_lossy=self.options["allow_lossy"])
+            from_engines = False
+            if precision is not None:  # quantized as in a refit
+                executor = PrecisionExecutor(
+                    PrecisionPlan(self.source_layout, self.destination_layout.subset(behind), precision,
+                                  max_bucket_bytes=round_cap(self.options["max_bucket_bytes"])),
+                    self.group, timeout=self.timeout, checksum=self.options["checksum"],
+                    allow_lossy=self.options["allow_lossy"])
+            else:
+                plan = Plan(self.source_layout, need, max_bucket_bytes=self.options["max_bucket_bytes"])
+        else:
+            from_engines = True
+        if plan is not None:
+            executor = ReshardExecutor(plan, self.group, timeout=self.timeout, checksum=self.options["checksum"],
+                                       allow_lossy=self.options["allow_lossy"])
         if from_engines:
-            src = self.destination.read() if self.rank in donors else {}
+            src = self.writer.read() if self.rank in donors else {}
         else:
             src = self.source.read() if self.source else {}
-        stats = self._transfer(executor, src, self.destination if self.rank in behind else None, version,
+        stats = self._transfer(executor, src, self.writer if self.rank in behind else None, version,
                                f"catch-up to version {version!r}")
         for r in behind:
             self.members[r] = (version, READY, True)
         self.version = version
         return stats
+
+    @property
+    def writer_layout(self) -> Layout:
+        """The destination layout as refits write it: :attr:`destination_layout`, or under the session's
+        dtype policy its :func:`~reshard.planning.precision.precision_layout` (FP8 weights and scales)."""
+        return self.plan.destination if self.options["precision"] is not None else self.destination_layout
 
     def _current_version(self) -> object:
         versions = [v for r, (v, st, has_dst) in sorted(self.members.items()) if has_dst and st == READY and v is not None]
@@ -414,7 +451,7 @@ class RefitSession:
             self.executor.close()  # a reshard executor holds nothing; a hybrid one its broadcast subgroup
 
 
-def _check_connect(timeout, method, max_bucket_bytes, rank, world_size, hybrid_rule=None) -> None:
+def _check_connect(timeout, method, max_bucket_bytes, rank, world_size, hybrid_rule=None, precision=None) -> None:
     """Options a user got wrong, named before any process connects (a RefitError on this rank alone)."""
     if not isinstance(timeout, timedelta) or not timeout.total_seconds() > 0:
         raise RefitError("connect", f"timeout must be a positive datetime.timedelta, got {timeout!r}")
@@ -428,6 +465,14 @@ def _check_connect(timeout, method, max_bucket_bytes, rank, world_size, hybrid_r
             raise RefitError("connect", f"hybrid_rule is an option of method='hybrid', not method={method!r}")
         try:
             as_rule(hybrid_rule)
+        except ValueError as e:
+            raise RefitError("connect", str(e)) from None
+    if precision is not None:
+        if method not in (AUTO, RESHARD, HIERARCHICAL):
+            raise RefitError("connect", f"precision is an option of the reshard and hierarchical methods, not "
+                                        f"method={method!r}")
+        try:
+            as_policy(precision)
         except ValueError as e:
             raise RefitError("connect", str(e)) from None
     try:

@@ -142,6 +142,14 @@ class Side:
         side.rank, side.layout = rank, layout
         return side
 
+    def with_layout(self, layout: Layout) -> "Side":
+        """The same tensors under another layout of this rank (a session under a dtype policy writes
+        the FP8 weights and scales of :func:`~reshard.planning.precision.precision_layout`)."""
+        side = copy.copy(self)
+        side.layout = layout.subset([self.rank])
+        side.__post_init__()
+        return side
+
     # ------------------------------------------------------------------ one refit
     def read(self) -> dict[str, torch.Tensor]:
         """The buffers a source sends from."""
