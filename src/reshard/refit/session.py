@@ -139,7 +139,7 @@ class RefitSession:
                 self.executor = PrecisionExecutor(self.plan, group, timeout=timeout, checksum=checksum,
                                                   allow_lossy=allow_lossy)
                 if destination is not None:
-                    self.writer = destination.with_layout(self.plan.destination.subset([self.rank]))
+                    self.writer = destination.with_layout(self.plan.destination)
             else:
                 # gather-and-broadcast runs as the hybrid whose rule picks nothing: the same bytes, with
                 # the session's checks and commit decision
@@ -402,23 +402,18 @@ class RefitSession:
                 if source == "engines":
                     raise RefitError("catch-up", f"the engines at version {version!r} (ranks {donors}) do not "
                                                  f"hold every box ranks {behind} need") from None
+        from_engines = plan is not None
         if plan is None:
             if source == "engines":
                 raise RefitError("catch-up", f"no engine holds version {version!r}")
-            from_engines = False
-            if precision is not None:  # quantized as in a refit
-                executor = PrecisionExecutor(
-                    PrecisionPlan(self.source_layout, self.destination_layout.subset(behind), precision,
-                                  max_bucket_bytes=round_cap(self.options["max_bucket_bytes"])),
-                    self.group, timeout=self.timeout, checksum=self.options["checksum"],
-                    allow_lossy=self.options["allow_lossy"])
+            if precision is not None:  # from the trainer: quantized as in a refit
+                plan = PrecisionPlan(self.source_layout, self.destination_layout.subset(behind), precision,
+                                     max_bucket_bytes=round_cap(self.options["max_bucket_bytes"]))
             else:
                 plan = Plan(self.source_layout, need, max_bucket_bytes=self.options["max_bucket_bytes"])
-        else:
-            from_engines = True
-        if plan is not None:
-            executor = ReshardExecutor(plan, self.group, timeout=self.timeout, checksum=self.options["checksum"],
-                                       allow_lossy=self.options["allow_lossy"])
+        executor = (PrecisionExecutor if isinstance(plan, PrecisionPlan) else ReshardExecutor)(
+            plan, self.group, timeout=self.timeout, checksum=self.options["checksum"],
+            allow_lossy=self.options["allow_lossy"])
         if from_engines:
             src = self.writer.read() if self.rank in donors else {}
         else:
