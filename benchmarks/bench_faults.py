@@ -2,11 +2,12 @@
 
 Run from the repository root (about 3 s a scenario on a 2-core machine)::
 
-    python benchmarks/bench_faults.py [--scenarios 200] [--seed 0] [--timeout 2] [--json out.json]
+    python benchmarks/bench_faults.py [--scenarios 200] [--seed 0] [--timeout 2] [--precision fp8] [--json out.json]
 
 Each scenario is a refit between random small layouts over a standalone gloo group, with a
 ``kill``, ``stall``, ``raise`` or ``corrupt`` fault at a random rank and point (connect,
-agreement, a round, commit, or the recovery after another failure); see
+agreement, a round, commit, or the recovery after another failure; with ``--precision fp8`` the
+engines are FP8 and the quantization steps are fault points too); see
 :mod:`reshard.apps.fault_suite`. It prints the counts an on-call engineer asks about first:
 hangs, silent corruptions, torn models served or reported as committed (all three should be 0),
 time to detection and to recovery (measured, wall clock; a stall is detected by the timeout,
@@ -58,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scenarios", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=2.0, help="the refit timeout of every scenario, seconds")
+    ap.add_argument("--precision", choices=["keep", "fp8"], default="keep",
+                    help="fp8: refit into block-FP8 engines (a dtype policy), faults while quantizing too")
     ap.add_argument("--json", help="write every scenario's outcome here")
     args = ap.parse_args(argv)
     if args.scenarios < 1 or not 0 < args.timeout <= 600:
@@ -71,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         with Progress(console=console, transient=True) as progress:
             task = progress.add_task("scenarios", total=args.scenarios)
             for i in range(args.scenarios):
-                s = random_scenario(i, rng, args.timeout)
+                s = random_scenario(i, rng, args.timeout, precision=args.precision == "fp8")
                 o = driver.run(s)
                 outcomes.append(o)
                 if o.hung or o.silent or o.torn or o.result in ("recovery failed", "split outcome", "harness error"):
@@ -80,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         driver.close()
     figures = summary(outcomes)
-    print_figures(console, figures, f"fault injection: {len(outcomes)} scenarios, timeout {args.timeout:g} s, "
+    engines = " into FP8 engines" if args.precision == "fp8" else ""
+    print_figures(console, figures, f"fault injection{engines}: {len(outcomes)} scenarios, timeout {args.timeout:g} s, "
                                     f"{time.time() - start:.0f} s wall (measured)")
     if args.json:
         with open(args.json, "w") as f:

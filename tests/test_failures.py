@@ -25,9 +25,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 T = 2.0
 
 
-def scenario(i, fault, rank, sources=2, destinations=2, first=None, checksum=False, seed=7):
+def scenario(i, fault, rank, sources=2, destinations=2, first=None, checksum=False, seed=7, precision=False):
     return Scenario(i, seed, sources, destinations, fault, rank, checksum=checksum, timeout_s=T, bucket_bytes=512,
-                    first_fault_rank=first)
+                    first_fault_rank=first, precision=precision)
+
+
+def fp8(i, fault, rank, checksum=False):
+    """Into an FP8 engine: seed 12 gives 2 sources -> 1 engine with blocks quantized on both sides."""
+    return scenario(i, fault, rank, sources=2, destinations=1, checksum=checksum, seed=12, precision=True)
 
 
 # (scenario, what it must come to); seed 7 gives replicated-or-sharded sources as scenario_layouts draws
@@ -40,6 +45,9 @@ CASES = [
     (scenario(5, "kill@commit", 3), {"recovered"}),
     (scenario(6, "kill@connect", 2), {"detected at connect"}),
     (scenario(7, "raise@recovery", 2, first=3), {"recovered"}),
+    (fp8(8, "raise@quantize at destination", 2), {"recovered"}),
+    (fp8(9, "kill@quantize at source", 1), {"recovered", "unrecoverable: a source's only copy was lost"}),
+    (fp8(10, "corrupt@transfer round 0", 0, checksum=True), {"recovered"}),
 ]
 
 

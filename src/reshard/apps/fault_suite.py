@@ -3,7 +3,11 @@
 Each scenario is a refit between two random small layouts (M source ranks -> N destination ranks,
 1-3 tensors, shards and replicas, several rounds) over a standalone gloo group whose TCP store
 the driver hosts, with one fault (:mod:`reshard.execution.faults`) at one rank and one point:
-connect, agreement, a round, commit, or the recovery that follows another failure. Every rank:
+connect, agreement, a round, commit, or the recovery that follows another failure. An FP8
+scenario (``precision=True``) refits into FP8 engines under a dtype policy (block FP8 on 4 x 4
+blocks, tensor ``t2`` kept): blocks quantized on the senders or, where a source split cuts a
+block, on the destinations; its faults may also strike either quantization step, and its bytes
+and scales are checked against the reference quantizer. Every rank:
 
     1. connects with its destination at version 0, refits to version 1
     2. on RefitError: checks that its destination is poisoned or still holds version 0 exactly,
@@ -38,11 +42,15 @@ from ..execution.control import RefitError
 from ..execution.process_group import free_port
 from ..layout import Layout
 from ..placements import Replicate, Shard
+from ..planning.precision import KEEP, DtypePolicy, FP8Block, precision_layout
+from ..quant import FP8_DTYPE, SCALE_SUFFIX, quantize_blocks
 from ..refit.session import POISONED, READY, RefitSession
 from ..refit.sides import Side
 from ..tensors import TensorSpec, box_slices, buffer_view
 
 POINTS = ("connect", "agreement", "round", "commit", "recovery")
+FP8_POINTS = POINTS + ("quantize at source", "quantize at destination")
+FP8_BLOCK = (4, 4)
 KINDS = faults.KINDS
 
 
@@ -60,6 +68,7 @@ class Scenario:
     timeout_s: float
     bucket_bytes: int
     first_fault_rank: int | None = None  # a "recovery" scenario: this rank raises first, to start a recovery
+    precision: bool = False  # into FP8 engines (see module doc)
 
     @property
     def world(self) -> int:
@@ -69,14 +78,15 @@ class Scenario:
         first = f" after raise@transfer round 0 on rank {self.first_fault_rank}" if self.first_fault_rank is not None \
             else ""
         return (f"#{self.index} {self.sources}->{self.destinations} {self.fault or 'no fault'} on rank "
-                f"{self.fault_rank}{first}{' checksum' if self.checksum else ''}")
+                f"{self.fault_rank}{first}{' checksum' if self.checksum else ''}{' fp8' if self.precision else ''}")
 
 
-def random_scenario(index: int, rng: random.Random, timeout_s: float = 2.0) -> Scenario:
-    """A random scenario: 1-2 sources, 1-3 destinations, a random fault kind, rank and point."""
+def random_scenario(index: int, rng: random.Random, timeout_s: float = 2.0, precision: bool = False) -> Scenario:
+    """A random scenario: 1-2 sources, 1-3 destinations, a random fault kind, rank and point (FP8
+    engines when ``precision``)."""
     sources, destinations = rng.randint(1, 2), rng.randint(1, 3)
     world = sources + destinations
-    kind, point = rng.choice(KINDS), rng.choice(POINTS)
+    kind, point = rng.choice(KINDS), rng.choice(FP8_POINTS if precision else POINTS)
     if kind == "corrupt":
         point = "round"  # a corrupted byte is in a message
     where = f"transfer round {rng.randint(0, 2)}" if point == "round" else point
@@ -86,7 +96,7 @@ def random_scenario(index: int, rng: random.Random, timeout_s: float = 2.0) -> S
         first = rng.choice([r for r in range(world) if r != fault_rank])
     return Scenario(index, rng.randrange(1 << 30), sources, destinations, f"{kind}@{where}", fault_rank,
                     checksum=kind == "corrupt" or rng.random() < 0.5, timeout_s=timeout_s,
-                    bucket_bytes=rng.choice([512, 2048, 1 << 20]), first_fault_rank=first)
+                    bucket_bytes=rng.choice([512, 2048, 1 << 20]), first_fault_rank=first, precision=precision)
 
 
 # ---------------------------------------------------------------------------- layouts and values
@@ -95,10 +105,15 @@ def scenario_layouts(s: Scenario) -> tuple[Layout, Layout]:
     rng = random.Random(s.seed)
     src_ranks = list(range(s.sources))
     dst_ranks = list(range(s.sources, s.world))
-    replicated = rng.random() < 0.5  # every source holds everything: losing one source is survivable
+    # every source holds everything: losing one source is survivable (FP8: fewer, so that more blocks are cut)
+    replicated = rng.random() < (0.25 if s.precision else 0.5)
     src, dst = [], []
     for i in range(rng.randint(1, 3)):
-        spec = TensorSpec(f"t{i}", (rng.randint(4, 40), rng.randint(4, 24)), torch.float32)
+        # FP8: whole blocks on every destination piece; an odd count of blocks per destination cut
+        # by two sources (blocks quantized at the destination)
+        shape = (tuple(b * s.destinations * rng.choice([1, 3]) for b in FP8_BLOCK) if s.precision
+                 else (rng.randint(4, 40), rng.randint(4, 24)))
+        spec = TensorSpec(f"t{i}", shape, torch.float32)
         src.append(Layout.from_placements(spec, src_ranks, (len(src_ranks),),
                                           [Replicate() if replicated else _placement(rng)]))
         dst.append(Layout.from_placements(spec, dst_ranks, (len(dst_ranks),), [_placement(rng)]))
@@ -109,6 +124,16 @@ def _placement(rng: random.Random):
     return rng.choice([Shard(0), Shard(1), Replicate()])
 
 
+def fp8_policy() -> DtypePolicy:
+    """The dtype policy of FP8 scenarios: ``t2`` kept, every other tensor block FP8."""
+    return DtypePolicy(rules=((r"^t2$", KEEP),), default=FP8Block(FP8_BLOCK))
+
+
+def engine_layout(s: Scenario, destination: Layout) -> Layout:
+    """The layout destinations hold: ``destination``, or for an FP8 scenario its FP8 weights and scales."""
+    return precision_layout(destination, fp8_policy()) if s.precision else destination
+
+
 def full_value(spec: TensorSpec, version: int) -> torch.Tensor:
     """Version ``version`` of a tensor: distinct, exactly representable values."""
     n = int(np.prod(spec.shape))
@@ -116,19 +141,34 @@ def full_value(spec: TensorSpec, version: int) -> torch.Tensor:
     return (torch.arange(n, dtype=torch.float32) % 509 + 1000 * version + salt).view(spec.shape)
 
 
+def expected_value(layout: Layout, name: str, version: int) -> torch.Tensor:
+    """Version ``version`` of ``layout``'s tensor ``name``: :func:`full_value`, or for an FP8 weight
+    ``w`` and its ``w_scale_inv`` the reference quantizer's bytes and scales of ``w``'s values."""
+    base = name.removesuffix(SCALE_SUFFIX)
+    weight = layout.specs.get(base)
+    if weight is not None and weight.dtype == FP8_DTYPE:
+        q, scales = quantize_blocks(full_value(TensorSpec(base, weight.shape, torch.float32), version), FP8_BLOCK)
+        return q if name == base else scales
+    return full_value(layout.specs[name], version)
+
+
 def rank_buffers(layout: Layout, rank: int, version: int) -> dict[str, torch.Tensor]:
     """``rank``'s buffers of ``layout`` holding ``version``."""
     out = {b: torch.zeros(shape, dtype=dtype) for b, (shape, dtype) in layout.buffers(rank).items()}
     for p in layout.pieces(rank):
         buffer_view(out[p.buffer], p.buffer_offsets, p.sizes).copy_(
-            full_value(layout.specs[p.tensor], version)[box_slices(p.offsets, p.sizes)])
+            expected_value(layout, p.tensor, version)[box_slices(p.offsets, p.sizes)])
     return out
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == FP8_DTYPE else t
+
+
 def holds_version(layout: Layout, rank: int, buffers: dict[str, torch.Tensor], version: int) -> bool:
-    """Whether every piece of ``rank`` holds ``version`` exactly."""
-    return all(torch.equal(buffer_view(buffers[p.buffer], p.buffer_offsets, p.sizes),
-                           full_value(layout.specs[p.tensor], version)[box_slices(p.offsets, p.sizes)])
+    """Whether every piece of ``rank`` holds ``version`` exactly (FP8 bytes bit for bit)."""
+    return all(torch.equal(_bits(buffer_view(buffers[p.buffer], p.buffer_offsets, p.sizes)),
+                           _bits(expected_value(layout, p.tensor, version)[box_slices(p.offsets, p.sizes)]))
                for p in layout.pieces(rank))
 
 
@@ -148,25 +188,26 @@ def run_rank(s: Scenario, rank: int, store_addr: str) -> dict:
     faults.arm(fault, on_fire=fired)
     os.environ["RESHARD_FAULT_STALL_S"] = str(6 * s.timeout_s + 10)
     src_layout, dst_layout = scenario_layouts(s)
+    held = engine_layout(s, dst_layout)  # what destinations hold: FP8 weights and scales in FP8 scenarios
     timeout = timedelta(seconds=s.timeout_s)
     source = Side.from_layout(src_layout, rank, rank_buffers(src_layout, rank, 1)) if rank < s.sources else None
-    dst_buffers = rank_buffers(dst_layout, rank, 0) if rank >= s.sources else {}
+    dst_buffers = rank_buffers(held, rank, 0) if rank >= s.sources else {}
     destination = Side.from_layout(dst_layout, rank, dst_buffers) if dst_buffers else None
     session = None
     try:
         session = RefitSession.connect(source=source, destination=destination, store_addr=store_addr, rank=rank,
                                        world_size=s.world, timeout=timeout, host_store=False, method="reshard",
                                        checksum=s.checksum, max_bucket_bytes=s.bucket_bytes, version=0,
-                                       member=f"rank{rank}")
+                                       member=f"rank{rank}", precision=fp8_policy() if s.precision else None)
         session.refit(1)
         out["events"].append(("committed", 1, time.time()))
-        _check(out, dst_layout, rank, dst_buffers, 1, destination)
+        _check(out, held, rank, dst_buffers, 1, destination)
         return out
     except RefitError as e:
         out["events"].append(("error", e.phase, list(e.ranks), str(e)[:300], time.time()))
         if destination is not None and session is not None:
             state_ok = session.state == POISONED or (
-                session.state == READY and holds_version(dst_layout, rank, dst_buffers, session.version or 0))
+                session.state == READY and holds_version(held, rank, dst_buffers, session.version or 0))
             if not state_ok:
                 out["torn"] += 1
     if session is None:
@@ -180,7 +221,7 @@ def run_rank(s: Scenario, rank: int, store_addr: str) -> dict:
                 t.add_(1000)  # version 1 -> version 2 (values differ by 1000 per version)
         recovered.refit(2)
         out["events"].append(("recovered", recovered.group.size, time.time()))
-        _check(out, dst_layout, rank, dst_buffers, 2, recovered.destination)
+        _check(out, held, rank, dst_buffers, 2, recovered.destination)
         recovered.close()
     except RefitError as e:
         out["events"].append(("recovery failed", e.phase, list(e.ranks), str(e)[:300], time.time()))
@@ -353,4 +394,5 @@ def summary(outcomes: list[Outcome]) -> dict:
     return out
 
 
-__all__ = ["Driver", "Outcome", "Scenario", "random_scenario", "run_rank", "scenario_layouts", "summary"]
+__all__ = ["Driver", "Outcome", "Scenario", "engine_layout", "fp8_policy", "random_scenario", "run_rank",
+           "scenario_layouts", "summary"]
