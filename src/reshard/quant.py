@@ -107,17 +107,6 @@ def _scaled(x32: torch.Tensor, x4: torch.Tensor, scales: torch.Tensor, shape) ->
     return x32[: shape[0], : shape[1]]
 
 
-def block_scales(x: torch.Tensor, block=DEFAULT_BLOCK, ue8m0: bool = False) -> torch.Tensor:
-    """The float32 scale of every block of 2-D ``x`` (see module doc), shape :func:`grid_shape`."""
-    return _scales(_blocked(x, block)[1], ue8m0)
-
-
-def quantize_with(x: torch.Tensor, scales: torch.Tensor, block=DEFAULT_BLOCK) -> torch.Tensor:
-    """``float8_e4m3fn(clamp(x / s, -448, 448))`` with each element's block scale from ``scales``."""
-    x32, x4 = _blocked(x, block)
-    return _scaled(x32, x4, scales.to(torch.float32), x.shape).to(FP8_DTYPE)
-
-
 def quantize_blocks(x: torch.Tensor, block=DEFAULT_BLOCK, ue8m0: bool = False
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(fp8 weight, float32 scale_inv)`` of 2-D ``x`` under the module's rule, block by block.
@@ -164,6 +153,6 @@ def fp8_bytes(shape, block=DEFAULT_BLOCK) -> int:
     return math.prod(shape) + 4 * math.prod(grid_shape(shape, block))
 
 
-__all__ = ["DEFAULT_BLOCK", "FP8_DTYPE", "FP8_MAX", "SCALE_DTYPE", "SCALE_SUFFIX", "block_scales", "check_block",
-           "dequantize_blocks", "fp8_bytes", "grid_shape", "quantize_blocks", "quantize_into", "quantize_with",
+__all__ = ["DEFAULT_BLOCK", "FP8_DTYPE", "FP8_MAX", "SCALE_DTYPE", "SCALE_SUFFIX", "check_block",
+           "dequantize_blocks", "fp8_bytes", "grid_shape", "quantize_blocks", "quantize_into",
            "scale_name"]
