@@ -204,9 +204,9 @@ def test_fsdp_to_tp_paths_and_figures():
     assert p.wire_bytes_by_dtype() == {"bfloat16": 128 * 256 * 2, "float32": 8, "float8_e4m3fn": 128 * 256}
     assert p.wire_bytes == sum(p.wire_bytes_by_dtype().values())
     assert p.staging_bytes() == {"source": {0: 128 * 256 + 8}, "destination": {2: 128 * 128 * 2, 3: 128 * 128 * 2}}
-    tasks = p.source_tasks(0, [c for m in p.phases[0].for_rank(0).sends for c in m.copies])
+    tasks = p.quantization(0).source
     assert [(t.src_buffer, t.src_offsets, t.sizes) for t in tasks] == [("w", (0, 0), (128, 256))]
-    assert [(t.q_buffer, t.q_offsets, t.s_buffer, t.s_offsets) for t in p.destination_tasks(3)] == [
+    assert [(t.q_buffer, t.q_offsets, t.s_buffer, t.s_offsets) for t in p.quantization(3).destination] == [
         (w.name, (128, 0), scale_name(w.name), (1, 0))]
     eng = p.destination
     assert eng.buffers(3) == {w.name: ((256, 128), FP8_DTYPE), scale_name(w.name): ((2, 1), F32)}

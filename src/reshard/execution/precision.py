@@ -2,12 +2,12 @@
 
 A :class:`~reshard.planning.precision.PrecisionPlan` runs in three steps on every rank::
 
-    quantize at source        each source rank quantizes the whole blocks it sends (its part of
-                              source_tasks) into FP8 and scale staging buffers
+    quantize at source        each source rank quantizes the whole blocks it sends (its
+                              quantization's source tasks) into FP8 and scale staging buffers
     <the wire plan's phases>  FP8 values, scales, raw blocks (source precision, into destination
                               staging) and kept / cast tensors, as ReshardExecutor moves any plan
     quantize at destination   each destination rank quantizes the raw blocks it received into its
-                              FP8 weights and scales (destination_tasks)
+                              FP8 weights and scales (its destination tasks)
 
 :class:`PrecisionExecutor` does it over a process group as one refit with one outcome: before any
 byte moves every rank checks its buffers (the caller's, against the plan's source and destination
@@ -21,8 +21,9 @@ every rank's part in one process (tests)::
     ex = PrecisionExecutor(precision_plan(src, dst, "fp8"), group)
     stats = ex.run(src_buffers, engine_buffers)    # phases: quantize at source, transfer, quantize at destination
 
-Fault points (:mod:`reshard.execution.faults`): ``agreement``, ``quantize at source``, the wire
-plan's rounds, ``quantize at destination``.
+The tasks are the plan's (:meth:`~reshard.planning.precision.PrecisionPlan.quantization`); the
+executor runs them as they are. Fault points (:mod:`reshard.execution.faults`): ``agreement``,
+``quantize at source``, the wire plan's rounds, ``quantize at destination``.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ from typing import Iterable, Mapping
 import torch
 import torch.distributed as dist
 
-from ..planning.plan import RankPlan
-from ..planning.precision import PrecisionPlan, QuantTask
+from ..planning.precision import PrecisionPlan
+from ..planning.quantization import QuantTask, RankQuantization, first_phase_reads
 from ..quant import grid_shape, quantize_into
 from ..tensors import buffer_view
 from . import faults
@@ -64,10 +65,6 @@ def staging(plan: PrecisionPlan, rank: int, side: str, device: torch.device | st
     return {b: torch.empty(shape, dtype=dt, device=device) for b, (shape, dt) in named.items()}
 
 
-def _first_phase_reads(part: RankPlan) -> list:
-    return [c for m in part.sends for c in m.copies] + list(part.local)
-
-
 def run_local_precision(plan: PrecisionPlan, src_buffers: Mapping[int, Buffers], dst_buffers: Mapping[int, Buffers]
                         ) -> None:
     """Every rank's part of ``plan`` in this process: quantize at the sources, move (:func:`run_local`),
@@ -89,20 +86,18 @@ def run_local_precision(plan: PrecisionPlan, src_buffers: Mapping[int, Buffers],
     (True, True)
     """
     empty: dict[str, torch.Tensor] = {}
-    first = plan.phases[0] if plan.phases else None
     msrc, mdst = {}, {}
     for r in sorted(set(plan.source.ranks) | set(plan.source_staging)):
         buffers = src_buffers.get(r, empty)
         msrc[r] = {**buffers, **staging(plan, r, "source", device_of(buffers))}
-        if first is not None:
-            for task in plan.source_tasks(r, _first_phase_reads(first.for_rank(r))):
-                run_quant_task(task, msrc[r], msrc[r])
+        for task in plan.quantization(r).source:
+            run_quant_task(task, msrc[r], msrc[r])
     for r in sorted(set(plan.destination.ranks) | set(plan.destination_staging)):
         buffers = dst_buffers.get(r, empty)
         mdst[r] = {**buffers, **staging(plan, r, "destination", device_of(buffers))}
     run_local(plan.wire, msrc, mdst)
     for r in plan.destination_staging:
-        for task in plan.destination_tasks(r):
+        for task in plan.quantization(r).destination:
             run_quant_task(task, mdst[r], dst_buffers[r])
 
 
@@ -128,8 +123,9 @@ class PrecisionExecutor(Executor):
                                     allow_lossy=allow_lossy)
         self.setup_error = self.wire.setup_error
         parts = self.wire.parts
-        self.source_tasks = plan.source_tasks(self.rank, _first_phase_reads(parts[0])) if parts else []
-        self.destination_tasks = plan.destination_tasks(self.rank) if not self.setup_error else []
+        tasks = (RankQuantization() if self.setup_error
+                 else plan.quantization(self.rank, parts[0] if parts else None))
+        self.source_tasks, self.destination_tasks = tasks.source, tasks.destination
 
     @property
     def options(self) -> dict:
@@ -157,7 +153,7 @@ class PrecisionExecutor(Executor):
         read = {t.src_buffer for t in self.source_tasks}
         written = {b for t in self.destination_tasks for b in (t.q_buffer, t.s_buffer)}
         if parts:
-            read |= {c.src_buffer for c in _first_phase_reads(parts[0])}
+            read |= {c.src_buffer for c in first_phase_reads(parts[0])}
             for part in parts:
                 written |= {c.dst_buffer for m in part.recvs for c in m.copies} | {c.dst_buffer for c in part.local} | {
                     c.dst_buffer for c in part.fanout}
