@@ -17,22 +17,26 @@ README = ROOT.parents[1] / "README.md"
 # Each layer and the layers it may import. The flow is frameworks -> layout -> planning ->
 # execution -> refit -> integrations -> apps, with modeling beside planning; lower layers never
 # import higher ones.
-BASE = {"tensors", "gc_pause", "quant"}
+BASE = {"errors", "tensors", "gc_pause", "quant"}
 LAYERS: dict[str, set[str]] = {
-    "tensors": set(),
+    "errors": set(),
+    "tensors": {"errors"},
     "gc_pause": set(),
-    "quant": set(),  # block FP8 quantization: torch only
+    "quant": {"errors"},  # block FP8 quantization: torch only
     "placements": {"tensors"},
     "layout": BASE | {"placements"},
     "verify": BASE | {"layout"},
     "models": BASE,
     "frameworks": BASE | {"placements", "layout", "models"},
     "planning": BASE | {"placements", "layout"},
-    "modeling": BASE | {"placements", "layout", "planning"},
-    "execution": BASE | {"placements", "layout", "planning"},
-    "refit": BASE | {"placements", "layout", "models", "frameworks", "planning", "execution"},
-    "integrations": BASE | {"placements", "layout", "models", "frameworks", "planning", "execution", "refit"},
-    "apps": BASE | {"placements", "layout", "verify", "models", "frameworks", "planning", "modeling", "execution",
+    "options": BASE | {"placements", "layout", "planning"},  # one validated value of a refit's options
+    "modeling": BASE | {"placements", "layout", "planning", "options"},
+    "execution": BASE | {"placements", "layout", "planning", "options"},
+    "refit": BASE | {"placements", "layout", "models", "frameworks", "planning", "options", "execution"},
+    "integrations": BASE | {"placements", "layout", "models", "frameworks", "planning", "options", "execution",
+                            "refit"},
+    "apps": BASE | {"placements", "layout", "verify", "models", "frameworks", "planning", "options", "modeling",
+                    "execution",
                     "refit", "integrations"},
 }
 TOP = {"reshard", "reshard.__main__"}  # the package's public face may import anything

@@ -437,7 +437,7 @@ def test_a_model_too_big_to_list_is_refused_at_once(capsys, no_spawn):
 def test_a_staging_cap_too_small_for_the_plan(capsys, no_spawn):
     out = demo_error(capsys, ["demo", "--layers", "1", "--vocab", "512", "--max-bucket-mb", "0.00005",
                               "--methods", "reshard,hierarchical"])
-    assert "max_bucket_bytes=52 is too small for the reshard plan" in out
+    assert "the reshard plan: max_bucket_bytes=52 is too small for this plan" in out
 
 
 @pytest.mark.parametrize("train, infer, culprit", [

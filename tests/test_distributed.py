@@ -72,7 +72,7 @@ def _run_scenarios(rank, world):
         expected = dst.materialize(rank, full) if rank in dst.ranks else {}
         executors = (rs.ReshardExecutor(plan, overlap=False), rs.ReshardExecutor(plan),  # overlapped by default
                      rs.ReshardExecutor(plan, overlap=rank % 2 == 0),  # ranks may differ in the order
-                     rs.GatherBroadcastExecutor(plan))
+                     rs.GatherBroadcastExecutor(rs.gather_broadcast_plan(plan)))
         for executor in executors:
             sb = src.materialize(rank, full) if rank in src.ranks else {}
             db = dst.empty_buffers(rank)
@@ -142,7 +142,7 @@ def _bad_input(rank, world):
     db = {b: torch.full(shape, -1.0) for b, (shape, _) in dst.buffers(rank).items()}
     if rank == 3:
         db["w"] = torch.full((8, 3), -1.0)  # wrong shape on one rank
-    for executor in (rs.ReshardExecutor(plan), rs.GatherBroadcastExecutor(plan)):
+    for executor in (rs.ReshardExecutor(plan), rs.GatherBroadcastExecutor(rs.gather_broadcast_plan(plan))):
         with pytest.raises(rs.LayoutError, match=r"rank 3: destination buffer 'w' is \(8, 3\)"):
             executor.run(sb, db)
         assert all(bool((t == -1).all()) for t in db.values()), "destination touched despite the error"

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import reshard as rs
+from reshard.errors import OptionsError
 from reshard.execution.local import run_local
 from reshard.execution.methods import HYBRID, METHODS, RESHARD, method_executor, method_plan
 from reshard.execution.process_group import free_port
@@ -58,7 +59,7 @@ def test_the_rule_splits_the_plan_and_the_parts_cover_every_destination_byte():
     assert isinstance(h, HybridPlan) and HYBRID in METHODS
     assert set(h.reshard_tensors) == PICKED and set(h.broadcast_tensors) == set(NAMES) - PICKED
     assert h.phase_names == ["transfer", "gather-broadcast"] and h.phases == [h.reshard, h.broadcast]
-    assert h.reshard.max_bucket_bytes == 128  # the executor overlaps two rounds: each under half the cap
+    assert h.reshard.max_bucket_bytes == 256 and h.reshard.round_bytes == 128  # two rounds in flight: half each
     assert h.root == 0 and h.wire_bytes == sum(h.part_bytes().values())
     gb = rs.gather_broadcast_bytes(h.broadcast)
     assert h.part_bytes() == {"reshard": h.reshard.wire_bytes, **gb}
@@ -109,17 +110,17 @@ def test_bad_rules_and_options_are_named():
         method_plan(HYBRID, src, dst, rule=["("])
     with pytest.raises(ValueError, match="a list of regular expressions"):
         method_plan(HYBRID, src, dst, rule="experts")
-    with pytest.raises(ValueError, match="only the hybrid method takes one"):
+    with pytest.raises(OptionsError, match="method 'reshard' does not take option 'hybrid_rule'"):
         method_plan(RESHARD, src, dst, rule=HybridRule())
     with pytest.raises(ValueError, match="runs a HybridPlan"):
         method_executor(HYBRID, rs.plan(src, dst))
     other = rs.Layout.from_placements(rs.TensorSpec("x", (2,), torch.float32), [0], (1,), [rs.Replicate()])
     with pytest.raises(LayoutError, match="unknown tensor 'model.layers.0.mlp.up_proj.weight'"):
         HybridPlan(other, dst)  # named before the layouts are cut
-    with pytest.raises(RefitError, match="hybrid_rule is an option of method='hybrid'"):
+    with pytest.raises(OptionsError, match="method 'reshard' does not take option 'hybrid_rule'"):
         RefitSession.connect(store_addr="127.0.0.1:1", rank=0, world_size=2, method="reshard",
                              hybrid_rule=HybridRule())
-    with pytest.raises(RefitError, match="not a regular expression"):
+    with pytest.raises(OptionsError, match="not a regular expression"):
         RefitSession.connect(store_addr="127.0.0.1:1", rank=0, world_size=2, method="hybrid", hybrid_rule=["[a"])
 
 

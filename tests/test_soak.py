@@ -45,20 +45,20 @@ def _soak(rank, world, store_addr):
             if i == 5:  # after a few builds: lazily opened connections (stores, control plane) are open
                 before = open_fds()
             if i % 3 == 0:
-                with rs.GatherBroadcastExecutor(plan, group, root=i % 2, timeout=TIMEOUT) as ex:
+                with rs.GatherBroadcastExecutor(rs.gather_broadcast_plan(plan, root=i % 2), group, timeout=TIMEOUT) as ex:
                     if i in (0, BUILDS + 3):  # the first and the last move bytes too
                         db = dst.empty_buffers(rank)
                         ex.run(sb, db)
                         for name, want in dst.materialize(rank, full).items():
                             assert torch.equal(db[name], want), (label, rank, name)
             elif i % 3 == 1:
-                ex = rs.GatherBroadcastExecutor(plan, group, root=i % 2, timeout=TIMEOUT)
+                ex = rs.GatherBroadcastExecutor(rs.gather_broadcast_plan(plan, root=i % 2), group, timeout=TIMEOUT)
                 ex.close()
                 ex.close()  # idempotent
                 with pytest.raises(RuntimeError, match="closed"):
                     ex.run(sb, dst.empty_buffers(rank))
             else:  # a forgotten close: released when the executor is collected
-                rs.GatherBroadcastExecutor(plan, group, root=i % 2, timeout=TIMEOUT)
+                rs.GatherBroadcastExecutor(rs.gather_broadcast_plan(plan, root=i % 2), group, timeout=TIMEOUT)
         grown = open_fds() - before
         assert grown <= 2, f"rank {rank}, {label}: {grown} more file descriptors after {BUILDS} executors"
 
@@ -66,12 +66,12 @@ def _soak(rank, world, store_addr):
     for label, group in (("default group", None), ("standalone group", standalone)):
         start = time.monotonic()
         with pytest.raises(rs.LayoutError) as err:
-            rs.GatherBroadcastExecutor(plan, group, root=rank % 2, timeout=TIMEOUT)
+            rs.GatherBroadcastExecutor(rs.gather_broadcast_plan(plan, root=rank % 2), group, timeout=TIMEOUT)
         took = time.monotonic() - start
         assert "option 'root' (rank 0: 0, rank 1: 1, rank 2: 0)" in str(err.value), (label, str(err.value))
         assert took < TIMEOUT.total_seconds() / 3, (label, took)
         # the group still works afterwards (the failed construction left no split half made)
-        with rs.GatherBroadcastExecutor(plan, group, timeout=TIMEOUT) as ex:
+        with rs.GatherBroadcastExecutor(rs.gather_broadcast_plan(plan), group, timeout=TIMEOUT) as ex:
             db = dst.empty_buffers(rank)
             ex.run(sb, db)
             for name, want in dst.materialize(rank, full).items():

@@ -291,10 +291,11 @@ def test_split_into_no_parts():
 def test_max_bucket_bytes_too_small():
     with pytest.raises(ValueError, match="max_bucket_bytes=15 is smaller than 16 bytes"):
         rs.plan(replicated(W), replicated(W, ranks=(1,)), max_bucket_bytes=15)
-    with pytest.raises(ValueError, match="max_bucket_bytes=31 is too small for this plan: rank 0 exchanges 2 "
-                                         "messages per round, which needs at least 32 bytes"):
-        rs.plan(replicated(W), replicated(W, ranks=(1, 2)), max_bucket_bytes=31)
-    assert rs.plan(replicated(W), replicated(W, ranks=(1, 2)), max_bucket_bytes=32).num_rounds > 1
+    # two rounds are in flight: each gets half the cap, and needs one aligned element per message
+    with pytest.raises(ValueError, match=r"max_bucket_bytes=63 is too small for this plan: rank 0 exchanges 2 "
+                                         r"messages per round, which needs at least 64 bytes \(two rounds in flight\)"):
+        rs.plan(replicated(W), replicated(W, ranks=(1, 2)), max_bucket_bytes=63)
+    assert rs.plan(replicated(W), replicated(W, ranks=(1, 2)), max_bucket_bytes=64).num_rounds > 1
 
 
 def test_run_local_with_a_missing_buffer():

@@ -25,8 +25,10 @@ from typing import NamedTuple, Sequence
 import numpy as np
 import torch
 
+from .errors import ReshardError
 
-class LayoutError(ValueError):
+
+class LayoutError(ReshardError, ValueError):
     """A layout or a pair of layouts is invalid; the message names tensor, rank and box."""
 
 

@@ -27,12 +27,15 @@ import torch
 import torch.distributed as dist
 
 from .. import verify
-from ..execution.methods import GATHER_BROADCAST, HIERARCHICAL, HYBRID, RESHARD, method_executor, method_plan
+from ..execution.methods import GATHER_BROADCAST, HIERARCHICAL, HYBRID, RESHARD, make_executor, make_plan
 from ..execution.process_group import spawn
 from ..frameworks.parallel import ModelLayouts, model_layouts
 from ..models.arch import DEMO_MODEL, Arch, get_arch, tiny_arch
+from ..options import RefitOptions
 from ..planning.hierarchy import cross_domain_bytes
 from ..planning.hybrid import HybridRule
+from ..planning.methods import METHODS as REGISTRY
+from ..tensors import LayoutError
 
 DEFAULT_METHODS = (RESHARD, GATHER_BROADCAST)
 MiB = 1 << 20
@@ -73,6 +76,14 @@ class DemoConfig:
     def hybrid_rule(self) -> HybridRule | None:
         """The hybrid method's rule (None: the default); ``ValueError`` for a pattern that is no regex."""
         return None if self.hybrid_patterns is None else HybridRule(patterns=tuple(self.hybrid_patterns))
+
+    def refit_options(self, method: str, domains: dict[int, int] | None) -> RefitOptions:
+        """The options of ``method``'s refit in this demo: its staging cap, and the domains and rule
+        where the method takes them."""
+        entry = REGISTRY[method]
+        return RefitOptions(method=method, max_bucket_bytes=self.max_bucket_bytes,
+                            domains=domains if entry.accepts("domains") else None,
+                            hybrid_rule=self.hybrid_rule if entry.accepts("hybrid_rule") else None)
 
     @property
     def model_name(self) -> str:
@@ -144,7 +155,7 @@ def _worker(rank: int, world: int, cfg: DemoConfig, result_path: str) -> None:
 def _refit(rank: int, world: int, cfg: DemoConfig, lay: ModelLayouts, ph: _Phases) -> dict:
     def planning():
         t = time.perf_counter()
-        p = method_plan(RESHARD, lay.source, lay.destination, max_bucket_bytes=cfg.max_bucket_bytes)
+        p = make_plan(cfg.refit_options(RESHARD, None), lay.source, lay.destination)
         return p, time.perf_counter() - t
 
     plan, planner_s = ph.run("planning (every rank)", planning, "planning")
@@ -158,15 +169,9 @@ def _refit(rank: int, world: int, cfg: DemoConfig, lay: ModelLayouts, ph: _Phase
     domains = demo_domains(lay, cfg.domain_size)
     for method in cfg.methods:
         t = time.perf_counter()
-        if method == HIERARCHICAL:
-            mplan = method_plan(method, lay.source, lay.destination, max_bucket_bytes=cfg.max_bucket_bytes,
-                                domains=domains)
-        elif method == HYBRID:
-            mplan = method_plan(method, lay.source, lay.destination, max_bucket_bytes=cfg.max_bucket_bytes,
-                                rule=cfg.hybrid_rule)
-        else:
-            mplan = plan
-        ex = method_executor(method, mplan)  # collective for gather-broadcast and hybrid (subgroups)
+        options = cfg.refit_options(method, domains)
+        mplan = plan if method == RESHARD else make_plan(options, lay.source, lay.destination)
+        ex = make_executor(options, mplan)  # collective for gather-broadcast and hybrid (subgroups)
         setup_s = time.perf_counter() - t
 
         def one_run():
@@ -340,7 +345,7 @@ def preflight(cfg: DemoConfig, lay: ModelLayouts | None = None) -> ModelLayouts:
     (``lay`` if given): the options, that the model and ranks fit this machine (:func:`machine_problem`)
     and that every method plans under the staging cap. Raises ``ValueError`` (``LayoutError`` for a
     model the parallel sizes do not split) with one line naming the culprit."""
-    from ..execution.methods import METHODS, round_cap
+    from ..execution.methods import METHODS
     from ..frameworks.parallel import InferParallel, TrainParallel
     from ..planning.schedule import check_max_bucket_bytes
     from ..tensors import checked_int
@@ -377,18 +382,14 @@ def preflight(cfg: DemoConfig, lay: ModelLayouts | None = None) -> ModelLayouts:
         raise ValueError(problem)
     domains = demo_domains(lay, cfg.domain_size)
     for method in dict.fromkeys(cfg.methods):
-        if method == GATHER_BROADCAST:
+        if method == GATHER_BROADCAST:  # no rounds: nothing to fit under the cap
             continue
-        if method == HYBRID:  # only its reshard part runs in rounds
-            h = method_plan(method, lay.source, lay.destination, rule=cfg.hybrid_rule)
-            phases = h.reshard.phases if h.reshard is not None else []
-        else:
-            phases = method_plan(method, lay.source, lay.destination, domains=domains).phases
-        need = max((ph.min_bucket_bytes for ph in phases), default=0)
-        cap = round_cap(cfg.max_bucket_bytes)
-        if cap is not None and cap < need:
-            raise ValueError(f"max_bucket_bytes={cfg.max_bucket_bytes} is too small for the {method} plan: its "
-                             f"rounds get {cap} bytes each, and a rank needs at least {need}")
+        try:
+            make_plan(cfg.refit_options(method, domains), lay.source, lay.destination)
+        except LayoutError:
+            raise
+        except ValueError as e:
+            raise ValueError(f"the {method} plan: {e}") from None
     return lay
 
 

@@ -2,38 +2,48 @@
 
 Call sequence, on every rank of the group (sources, destinations, colocated ranks)::
 
-    ex = SomeExecutor(plan, group, timeout=...)   # builds this rank's part; no communication
-    stats = ex.run(src_buffers, dst_buffers)      # collective: check, agree, move, return RunStats
-    stats = ex.run(src_buffers, dst_buffers)      # replay: same plan, new values
+    ex = SomeExecutor(plan, group, timeout=...)   # this rank's part of a finished plan; collective
+                                                  # where ``collective_setup`` (a subgroup is split off)
+    problem = ex.setup_error or ex.check(src, dst)  # None, or what is wrong with this rank's buffers
+    stats = ex.run(src_buffers, dst_buffers)      # collective: check, agree, move, decide; RunStats
+    stats = ex.run(src_buffers, dst_buffers, decide=False)  # the caller (a session) decides afterwards
+    ex.touched, ex.where                          # whether the last run got past the agreement (bytes
+                                                  # may have moved), and the step it was in
+    ex.close()                                    # releases what it holds (subgroups); idempotent
 
 ``src_buffers`` / ``dst_buffers`` are ``{buffer name: tensor}`` of this rank (empty where the
 rank holds none); destination tensors are written in place. Before any byte moves, every rank
-checks its buffers against the plan and all ranks compare plan fingerprints and executor options
+checks its buffers against the plan and all ranks compare plan fingerprints and :attr:`Executor.options`
 (:func:`agree`): a problem raises :class:`~reshard.tensors.LayoutError` on every rank, naming
-the rank at fault, with no destination tensor touched. A failure while bytes move raises
-:class:`~reshard.execution.control.RefitError` on every rank (see :mod:`reshard.execution.control`).
-``close()`` releases what an executor holds (subgroups); executors are context managers.
+the rank at fault, with no destination tensor touched. A rank that never arrives is named in a
+:class:`~reshard.execution.control.RefitError` on every rank within ``timeout``, whatever the
+group (torch's default group, a subgroup, a standalone one). A failure while bytes move raises
+``RefitError`` (``moved=True``) on every rank (see :mod:`reshard.execution.control`).
+Executors receive finished plans: they plan nothing themselves.
 
 Capability flags (class attributes) say what an executor guarantees:
 
-    flag               reshard   gather-broadcast
-    needed_bytes_only  yes       no: every destination receives every byte of every tensor
-    bounded_staging    yes       no: full tensors are staged on the root and every destination
+    flag               reshard  hybrid  gather-broadcast  precision
+    needed_bytes_only  yes      no      no                yes
+    bounded_staging    yes      no      no                yes (plus the quantization staging)
+    collective_setup   no       yes     yes               no
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import TYPE_CHECKING, Callable, ClassVar, Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 
 from ..layout import Layout
 from ..tensors import LayoutError, cast_problem, narrowing
 from . import faults
 from .control import RefitError
-from .group import Group
+from .group import DEFAULT_TIMEOUT, Group
 from .packing import Buffers
 
 if TYPE_CHECKING:
@@ -86,20 +96,60 @@ class RunStats:
 
 
 class Executor(ABC):
-    """Runs a plan on this rank; every rank of the group builds one and calls :meth:`run` (see module doc)."""
+    """Runs a finished plan on this rank; every rank of the group builds one and calls :meth:`run` (see
+    module doc). The shared constructor holds the plan, the group (``None``: torch's default group),
+    the ``timeout`` that bounds every wait, the options every executor has (``checksum``: a digest per
+    message, where the executor sends messages; ``allow_lossy``: send values a narrowing cast loses),
+    and :attr:`setup_error`, the problem this group has with the plan (a rank it lacks), or None."""
 
+    #: the executor's name in the options every rank agrees on
+    name: ClassVar[str] = "executor"
     #: every destination rank receives only the bytes it holds and does not already have
     needed_bytes_only: ClassVar[bool] = True
-    #: staging per rank and round stays under the plan's ``max_bucket_bytes`` (plus one copy); an
-    #: executor that overlaps rounds says how many it stages at once (reshard: two)
+    #: staging per rank stays under the plan's ``max_bucket_bytes`` (plus one copy per round in flight)
     bounded_staging: ClassVar[bool] = True
+    #: construction is collective (the ranks agree, then split off a subgroup): every rank builds it
+    collective_setup: ClassVar[bool] = False
+    #: whether the executor takes ``checksum=True``
+    checksums: ClassVar[bool] = True
+
+    def __init__(self, plan: "PhasedPlan", group: Group | dist.ProcessGroup | None = None, *,
+                 timeout: timedelta = DEFAULT_TIMEOUT, checksum: bool = False, allow_lossy: bool = False) -> None:
+        if not isinstance(timeout, timedelta) or not timeout.total_seconds() > 0:
+            raise ValueError(f"{type(self).__name__}: timeout must be a positive datetime.timedelta, got {timeout!r}")
+        if checksum and not self.checksums:
+            raise ValueError(f"{type(self).__name__} sends no messages to checksum (checksum=True)")
+        self.plan = plan
+        self.group = Group.of(group, timeout=timeout)
+        self.timeout = timeout
+        self.checksum, self.allow_lossy = checksum, allow_lossy
+        self.rank = self.group.rank
+        self.where = "agreement"  # the step a run is in, for errors
+        self.touched = False  # whether the last run got past the agreement (destination bytes may have moved)
+        self.closed = False
+        self.setup_error: str | None = plan_ranks_problem(plan, self.group.size, self.rank)
+
+    @property
+    def options(self) -> dict:
+        """What every rank must agree on besides the plan."""
+        return {"executor": self.name, "checksum": self.checksum, "allow_lossy": self.allow_lossy}
 
     @abstractmethod
-    def run(self, src_buffers: Buffers, dst_buffers: Buffers) -> RunStats:
-        """Move the bytes; ``dst_buffers`` are written in place. Collective over the group."""
+    def check(self, src_buffers: Buffers, dst_buffers: Buffers) -> str | None:
+        """The first problem with this rank's buffers for the plan (naming the rank), or None. Local."""
+
+    @abstractmethod
+    def run(self, src_buffers: Buffers, dst_buffers: Buffers, *, decide: bool = True) -> RunStats:
+        """Move the bytes; ``dst_buffers`` are written in place. Collective over the group. ``decide=False``
+        leaves the commit decision to the caller."""
 
     def close(self) -> None:
         """Release what the executor holds beyond the caller's group (nothing, by default)."""
+        self.closed = True
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError(f"rank {self.rank}: this {type(self).__name__} is closed")
 
     def __enter__(self):
         return self
@@ -121,11 +171,12 @@ def check_buffers(layout: Layout, rank: int, buffers: Buffers, needed: set[str],
     return None
 
 
-def agree(group: Group, fingerprint: str, error: str | None, options: Mapping | None = None) -> None:
+def agree(group: Group, fingerprint: str, error: str | None, options: Mapping | None = None,
+          timeout: timedelta | None = None) -> None:
     """Collective, through the group's store: raise the same LayoutError on every rank if any rank has
     an error, another plan, or other executor ``options``; RefitError naming the ranks that never
-    arrive within the group's timeout."""
-    seen = group.gather("agreement", (group.rank, fingerprint, error, dict(options or {})))
+    arrive within ``timeout`` (default: the group's)."""
+    seen = group.gather("agreement", (group.rank, fingerprint, error, dict(options or {})), timeout)
     errors = [e for _, _, e, _ in seen if e]
     if errors:
         raise LayoutError("; ".join(_grouped(errors)))
@@ -140,7 +191,7 @@ def agree(group: Group, fingerprint: str, error: str | None, options: Mapping | 
             raise LayoutError(f"ranks disagree on the executor option {key!r} ({detail})")
 
 
-def agree_before_moving(group: Group, fingerprint: str, error: str | None, options: Mapping,
+def agree_before_moving(group: Group, fingerprint: str, error: str | None, options: Mapping, timeout: timedelta,
                         fail: Callable[[RefitError], RefitError] | None = None) -> None:
     """An executor's agreement step (the ``agreement`` fault point, then :func:`agree`): a LayoutError
     on every rank as is; a rank that never arrives, or this rank failing here, goes through ``fail``
@@ -148,7 +199,7 @@ def agree_before_moving(group: Group, fingerprint: str, error: str | None, optio
     fail = fail or group.fail
     try:
         faults.hit("agreement")
-        agree(group, fingerprint, error, options)
+        agree(group, fingerprint, error, options, timeout)
     except RefitError as e:  # a rank never arrived: tell the others at once
         raise fail(e.with_traceback(None)) from None
     except LayoutError:
@@ -163,15 +214,16 @@ def end_of_run(group: Group, failure: RefitError | None, decide: bool, timeout,
     """An executor's last step: raise ``failure`` through ``fail`` (default ``group.fail``), else, when
     ``decide``, take the group's commit decision. Called outside any ``except`` block, with a failure
     that carries no traceback: nothing keeps a round's posted work (and with it the communicator)
-    alive, so that ``fail`` can close the connections."""
+    alive, so that ``fail`` can close the connections. Either error says ``moved``: the run got past
+    the agreement, so destination bytes may have moved."""
     fail = fail or group.fail
     if failure is not None:
-        raise fail(failure)
+        raise fail(failure).but(moved=True)
     if decide:
         try:
             group.control.decide(None, timeout)
         except RefitError as e:
-            raise fail(e) from None
+            raise fail(e).but(moved=True) from None
 
 
 def plan_ranks_problem(plan: "PhasedPlan", size: int, rank: int) -> str | None:

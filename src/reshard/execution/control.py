@@ -29,32 +29,46 @@ from typing import Sequence
 
 import torch.distributed as dist
 
+from ..errors import ReshardError
+
 _POLL_START_S = 50e-6
 _POLL_MAX_S = 5e-3
 _ABORT_EVERY_S = 5e-3
 
 
-class RefitError(RuntimeError):
+class RefitError(ReshardError, RuntimeError):
     """A refit, or connecting or recovering a session, failed. Raised on every rank of the group within
     the timeout; ``phase`` says where (``"connect"``, ``"agreement"``, ``"network round 3"``, ``"commit"``,
-    ...) and ``ranks`` the ranks at fault when they are known.
+    ...), ``ranks`` the ranks at fault when they are known, and ``moved`` whether destination bytes may
+    have moved (False: every destination still holds its previous version, untouched).
 
     >>> e = RefitError("agreement", "rank 2 did not arrive within 5 s", ranks=[2])
-    >>> str(e), e.phase, e.ranks
-    ('agreement: rank 2 did not arrive within 5 s', 'agreement', (2,))
+    >>> str(e), e.phase, e.ranks, e.moved
+    ('agreement: rank 2 did not arrive within 5 s', 'agreement', (2,), False)
     """
 
-    def __init__(self, phase: str, message: str, *, ranks: Sequence[int] = ()) -> None:
+    def __init__(self, phase: str, message: str, *, ranks: Sequence[int] = (), moved: bool = False) -> None:
         super().__init__(f"{phase}: {message}")
         self.phase = phase
         self.ranks = tuple(sorted({int(r) for r in ranks}))
+        self.moved = bool(moved)
+
+    @property
+    def message(self) -> str:
+        """The text after ``"<phase>: "``."""
+        return str(self).partition(": ")[2]
+
+    def but(self, *, phase: str | None = None, message: str | None = None, moved: bool | None = None) -> "RefitError":
+        """A copy with another phase, message or ``moved`` (the same ranks), without a traceback."""
+        return RefitError(self.phase if phase is None else phase, self.message if message is None else message,
+                          ranks=self.ranks, moved=self.moved if moved is None else moved)
 
     def __reduce__(self):
-        return (_rebuild, (self.phase, str(self).partition(": ")[2], self.ranks))
+        return (_rebuild, (self.phase, self.message, self.ranks, self.moved))
 
 
-def _rebuild(phase: str, message: str, ranks: tuple[int, ...]) -> RefitError:
-    return RefitError(phase, message, ranks=ranks)
+def _rebuild(phase: str, message: str, ranks: tuple[int, ...], moved: bool = False) -> RefitError:
+    return RefitError(phase, message, ranks=ranks, moved=moved)
 
 
 def _ranks_str(ranks: Sequence[int]) -> str:

@@ -53,7 +53,7 @@ from ..planning.plan import PhasedPlan, RankPlan
 from ..planning.schedule import Message
 from . import faults
 from .base import (Executor, PhaseStats, RunStats, agree_before_moving, check_buffers, check_storage, device_of,
-                   end_of_run, lossy_cast_problem, plan_ranks_problem, synchronize)
+                   end_of_run, lossy_cast_problem, synchronize)
 from .control import RefitError
 from .group import DEFAULT_TIMEOUT, Group
 from .heap import return_free_heap
@@ -73,25 +73,14 @@ class ReshardExecutor(Executor):
     must agree on ``checksum`` and ``allow_lossy``.
     """
 
+    name = "reshard"
+
     def __init__(self, plan: PhasedPlan, group: Group | dist.ProcessGroup | None = None, *,
                  timeout: timedelta = DEFAULT_TIMEOUT, overlap: bool = True, checksum: bool = False,
                  allow_lossy: bool = False) -> None:
-        self.plan = plan
-        self.group = Group.of(group)
-        self.timeout = timeout
+        super().__init__(plan, group, timeout=timeout, checksum=checksum, allow_lossy=allow_lossy)
         self.overlap = overlap
-        self.checksum = checksum
-        self.allow_lossy = allow_lossy
-        self.rank = self.group.rank
-        self.where = "agreement"  # the step a run is in, for errors
-        self.touched = False  # whether the last run reached the point of writing destination buffers
-        self.setup_error = plan_ranks_problem(plan, self.group.size, self.rank)
         self.parts: list[RankPlan] = [] if self.setup_error else [p.for_rank(self.rank) for p in plan.phases]
-
-    @property
-    def options(self) -> dict:
-        """What every rank must agree on besides the plan."""
-        return {"executor": "reshard", "checksum": self.checksum, "allow_lossy": self.allow_lossy}
 
     def check(self, src: Buffers, dst: Buffers) -> str | None:
         """The first problem with this rank's buffers for the plan, or None: missing, wrong shape or
@@ -129,12 +118,11 @@ class ReshardExecutor(Executor):
     def staging_bytes(self) -> int:
         """Staging this rank allocates in its busiest phase (what ``RunStats.peak_staging_bytes`` reports).
 
-        Sequential: the largest round's sends plus receives (<= ``max_bucket_bytes``, plus the
-        largest single copy). Overlapped, with two rounds or more: twice the largest round's sends
+        Sequential: the largest round's sends plus receives (<= the plan's round cap, half its
+        ``max_bucket_bytes``, plus the largest single copy). Overlapped, with two rounds or more: twice the largest round's sends
         plus twice the largest round's receives; since every stream's per-round quota is fixed
-        and a rank's quotas add up to at most ``max_bucket_bytes``, that is at most twice the
-        sequential bound. To keep a total cap ``C`` with overlap, plan with ``max_bucket_bytes=C // 2``
-        (:func:`reshard.execution.methods.method_plan` does: the demo and refit sessions keep ``C``).
+        and a rank's quotas add up to at most the plan's round cap (half its ``max_bucket_bytes``),
+        that stays under ``max_bucket_bytes`` (plus the largest copy of each round in flight).
         """
         extra = DIGEST_BYTES if self.checksum else 0
         return max((_Slots.of(part, self.overlap, extra).nbytes for part in self.parts), default=0)
@@ -150,7 +138,7 @@ class ReshardExecutor(Executor):
         self.where, self.touched = "agreement", False
         self.group.check_usable("agreement")
         error = self.check(src_buffers, dst_buffers)
-        agree_before_moving(self.group, self.plan.fingerprint(), error, self.options)
+        agree_before_moving(self.group, self.plan.fingerprint(), error, self.options, self.timeout)
         failure = None
         try:
             self.touched = True

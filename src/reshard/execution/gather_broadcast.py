@@ -1,10 +1,16 @@
 """The baseline executor: gather each full tensor on one source rank, broadcast it to every destination.
 
-It runs the steps of :mod:`reshard.planning.baseline` one tensor at a time, as RL stacks do: the
-sources send their parts of the tensor to the root, the root assembles it and broadcasts it to
-every destination rank (a broadcast group of the root and the destinations), and each destination
-copies its pieces out of it. It takes the same plan and buffers as
-:class:`~reshard.execution.executor.ReshardExecutor`, so both run in one program on the same data.
+It runs a :class:`~reshard.planning.baseline.GatherBroadcastPlan` one tensor at a time, as RL
+stacks do: the sources send their parts of the tensor to the root, the root assembles it and
+broadcasts it to every destination rank (a broadcast group of the root and the destinations), and
+each destination copies its pieces out of it. It meets the executor contract
+(:mod:`reshard.execution.base`): the same checks before any byte moves, a ``RefitError`` on every
+rank when a rank fails, dies or stalls, and one commit decision, so that a refit session runs it
+as it runs any method::
+
+    ex = GatherBroadcastExecutor(gather_broadcast_plan(plan), group)   # collective: agree, then split
+    stats = ex.run(src_buffers, dst_buffers)                           # phases: gather, broadcast
+    ex.close()                                                         # releases the broadcast group
 
 Its broadcast group is a subgroup it makes itself, so it owns it: :meth:`~GatherBroadcastExecutor.close`
 (or a ``with`` block) releases it. Unreleased, each executor would keep a communicator and its
@@ -12,6 +18,8 @@ sockets (torch keeps every group registered with it), and a process building one
 out of file descriptors after a few dozen refits. Before the split, every rank checks that all ranks
 have the same plan and the same root (:func:`~reshard.execution.base.agree`), so ranks that pass
 different roots raise the same ``LayoutError`` instead of waiting in two different splits.
+Fault point (:mod:`reshard.execution.faults`): ``agreement``, then ``gather-broadcast`` as the
+bytes start to move.
 """
 
 from __future__ import annotations
@@ -25,14 +33,18 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..planning.baseline import broadcast_members, default_root, gather_plan
-from ..planning.plan import Plan
+from ..planning.baseline import GatherBroadcastPlan
 from ..planning.schedule import Copy, Message
 from ..tensors import box_slices, buffer_view
-from .base import Executor, PhaseStats, RunStats, agree, check_buffers, device_of, plan_ranks_problem, synchronize
+from . import faults
+from .base import (Executor, PhaseStats, RunStats, agree, agree_before_moving, check_buffers, check_storage,
+                   device_of, end_of_run, lossy_cast_problem, synchronize)
+from .control import RefitError
 from .group import DEFAULT_TIMEOUT, Group
 from .heap import return_free_heap
 from .packing import Buffers, copy_within, pack, unpack
+
+STEP = "gather-broadcast"  # its fault point, and the phase of errors while it moves bytes
 
 
 class GatherBroadcastExecutor(Executor):
@@ -41,23 +53,28 @@ class GatherBroadcastExecutor(Executor):
     the broadcast group), call :meth:`run`, and finally :meth:`close` it (or use it as a context
     manager). Its stats have two phases, ``gather`` and ``broadcast``, each summed over the tensors."""
 
+    name = "gather-broadcast"
     needed_bytes_only = False
     bounded_staging = False
+    collective_setup = True
+    checksums = False
 
-    def __init__(self, plan: Plan, group: Group | dist.ProcessGroup | None = None, *, root: int | None = None,
-                 timeout: timedelta = DEFAULT_TIMEOUT) -> None:
+    def __init__(self, plan: GatherBroadcastPlan, group: Group | dist.ProcessGroup | None = None, *,
+                 timeout: timedelta = DEFAULT_TIMEOUT, allow_lossy: bool = False) -> None:
+        if not isinstance(plan, GatherBroadcastPlan):
+            raise TypeError(f"GatherBroadcastExecutor runs a GatherBroadcastPlan (rs.gather_broadcast_plan(plan, "
+                            f"root=...)), got {type(plan).__name__}")
         self.bcast_group: Group | None = None
-        self.closed = False
-        self.plan = plan
-        self.group = Group.of(group)
-        self.timeout = timeout
-        self.rank = self.group.rank
-        self.root = int(default_root(plan) if root is None else root)
+        super().__init__(plan, group, timeout=timeout, allow_lossy=allow_lossy)
+        self.root = plan.root
+        if self.setup_error is None and not 0 <= self.root < self.group.size:
+            self.setup_error = (f"rank {self.rank}: root {self.root} is outside this group of {self.group.size} ranks "
+                                f"(0..{self.group.size - 1})")
         # collective before the split: ranks with another plan or root would otherwise each wait
         # in a different split (or the same split with other members) until the timeout
-        agree(self.group, plan.fingerprint(), self._setup_problem(), self.options)
-        self.gather = gather_plan(plan, self.root)
-        self.members = broadcast_members(plan, self.root)
+        agree(self.group, plan.fingerprint(), self.setup_error, self.options, timeout)
+        self.gather = plan.gather
+        self.members = plan.members
         self.bcast_group = self.group.split(self.members)
         try:
             if self.bcast_group is not None:
@@ -99,27 +116,36 @@ class GatherBroadcastExecutor(Executor):
     @property
     def options(self) -> dict:
         """What every rank must agree on besides the plan."""
-        return {"executor": "gather-broadcast", "root": self.root}
+        return {**super().options, "root": self.root}
 
-    def _setup_problem(self) -> str | None:
-        """A plan or root this group cannot run, or None."""
-        size = self.group.size
-        if not 0 <= self.root < size:
-            return f"rank {self.rank}: root {self.root} is outside this group of {size} ranks (0..{size - 1})"
-        return plan_ranks_problem(self.plan, size, self.rank)
+    def buffers_used(self) -> tuple[set[str], set[str]]:
+        """(source buffers read, destination buffers written) by this rank."""
+        read = {c.src_buffer for cs in self.sends.values() for c in cs} | {
+            c.src_buffer for cs in self.local.values() for c in cs}
+        return read, {p.buffer for ps in self.my_pieces.values() for p in ps}
+
+    def check(self, src_buffers: Buffers, dst_buffers: Buffers) -> str | None:
+        """The first problem with this rank's buffers, or None: missing, wrong shape or dtype, sharing
+        storage, not writable in place, or (unless ``allow_lossy``) values a narrowing cast loses."""
+        if self.setup_error:
+            return self.setup_error
+        read, written = self.buffers_used()
+        return (check_buffers(self.plan.source, self.rank, src_buffers, read, "source")
+                or check_buffers(self.plan.destination, self.rank, dst_buffers, written, "destination")
+                or check_storage(self.rank, {n: src_buffers[n] for n in sorted(read)},
+                                 {n: dst_buffers[n] for n in sorted(written)})
+                or (None if self.allow_lossy else self._cast_problem(src_buffers)))
+
+    def _cast_problem(self, src_buffers: Buffers) -> str | None:
+        pairs = [(c.src_buffer, c.dtype) for cs in list(self.sends.values()) + list(self.local.values()) for c in cs]
+        return lossy_cast_problem(self.rank, src_buffers, pairs, "GatherBroadcastExecutor")
 
     def close(self) -> None:
         """Release the broadcast group (local, not collective; idempotent). The executor cannot run after."""
-        self.closed = True
+        super().close()
         bcast, self.bcast_group = self.bcast_group, None
         if bcast is not None:
             bcast.close()
-
-    def __enter__(self) -> "GatherBroadcastExecutor":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __del__(self) -> None:
         # a forgotten close: release a gloo subgroup (local and quick). Not at interpreter exit (torch's
@@ -135,17 +161,40 @@ class GatherBroadcastExecutor(Executor):
         except Exception:  # noqa: BLE001 - a finalizer must not raise
             pass
 
-    def run(self, src_buffers: Buffers, dst_buffers: Buffers) -> RunStats:
-        """Move the bytes; ``dst_buffers`` are written in place. Collective over the group."""
-        if self.closed:
-            raise RuntimeError(f"rank {self.rank}: this GatherBroadcastExecutor is closed")
+    def run(self, src_buffers: Buffers, dst_buffers: Buffers, *, decide: bool = True) -> RunStats:
+        """Move the bytes; ``dst_buffers`` are written in place. Collective over the group.
+
+        Raises ``LayoutError`` on every rank, with no byte moved, for bad buffers or a plan, root or
+        options that differ between ranks; :class:`RefitError` on every rank when a rank fails, dies
+        or stalls while bytes move. ``decide=False`` leaves the commit decision to the caller."""
+        self.check_open()
+        self.where, self.touched = "agreement", False
+        self.group.check_usable("agreement")
+        error = self.check(src_buffers, dst_buffers)
+        agree_before_moving(self.group, self.plan.fingerprint(), error, self.options, self.timeout, fail=self.fail)
+        failure, phases = None, []
+        try:
+            self.touched, self.where = True, STEP
+            faults.hit(STEP)
+            with torch.inference_mode():  # writes autograd leaves and inference tensors in place
+                phases = self.move(src_buffers, dst_buffers)
+        except RefitError as e:
+            failure = RefitError(STEP if e.phase in ("transfer", "broadcast") else e.phase, e.message, ranks=e.ranks)
+        except Exception as e:  # noqa: BLE001 - every rank hears of it
+            failure = RefitError(STEP, f"rank {self.rank}: {type(e).__name__}: {e}", ranks=[self.rank])
+        end_of_run(self.group, failure, decide, self.timeout, fail=self.fail)
+        return RunStats.of_phases(self.rank, phases)
+
+    def fail(self, error: RefitError) -> RefitError:
+        """Break the broadcast group (its members may wait in a broadcast) and the group; every rank hears."""
+        if self.bcast_group is not None:
+            self.bcast_group.fail(error)
+        return self.group.fail(error)
+
+    def move(self, src_buffers: Buffers, dst_buffers: Buffers) -> list[PhaseStats]:
+        """The gather and broadcast of every tensor, with no check, agreement or decision (the part of
+        :meth:`run` a composite executor runs after its own checks): phases ``gather``, ``broadcast``."""
         rank, root = self.rank, self.root
-        need_src = {c.src_buffer for cs in self.sends.values() for c in cs} | {
-            c.src_buffer for cs in self.local.values() for c in cs}
-        need_dst = {p.buffer for ps in self.my_pieces.values() for p in ps}
-        agree(self.group, self.plan.fingerprint(),
-              check_buffers(self.plan.source, rank, src_buffers, need_src, "source")
-              or check_buffers(self.plan.destination, rank, dst_buffers, need_dst, "destination"), self.options)
         device = device_of(src_buffers, dst_buffers)
         gather = PhaseStats("gather", 0.0, 0, 0, 0, 0, 0, 0)
         bcast = PhaseStats("broadcast", 0.0, 0, 0, 0, 0, 0, 0)
@@ -199,7 +248,7 @@ class GatherBroadcastExecutor(Executor):
         return_free_heap()
         bcast.seconds += time.perf_counter() - t
         gather.rounds = bcast.rounds = len(self.plan.tensors)
-        return RunStats.of_phases(rank, [gather, bcast])
+        return [gather, bcast]
 
 
 def _aligned(nbytes: int, to: int = 64) -> int:

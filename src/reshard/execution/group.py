@@ -38,9 +38,9 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from ..options import DEFAULT_TIMEOUT
 from .control import Control, RefitError
 
-DEFAULT_TIMEOUT = timedelta(minutes=5)
 STORE_TIMEOUT = timedelta(seconds=60)
 
 
@@ -69,9 +69,11 @@ class Group:
         self.store_addr: str | None = None
 
     @classmethod
-    def of(cls, group: "Group | dist.ProcessGroup | None") -> "Group":
-        """``group`` as a :class:`Group` (``None``: torch's default group)."""
-        return group if isinstance(group, Group) else cls(group)
+    def of(cls, group: "Group | dist.ProcessGroup | None", timeout: timedelta | None = None) -> "Group":
+        """``group`` as a :class:`Group` (``None``: torch's default group; ``timeout``: its waits' default)."""
+        if isinstance(group, Group):
+            return group
+        return cls(group) if timeout is None else cls(group, timeout=timeout)
 
     @classmethod
     def connect(cls, store_addr: str, rank: int, world_size: int, *, backend: str | None = None,

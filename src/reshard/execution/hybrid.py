@@ -5,7 +5,7 @@ phase of its plan, as :class:`~reshard.execution.executor.ReshardExecutor` runs 
 broadcast part (:class:`~reshard.execution.gather_broadcast.GatherBroadcastExecutor`, tensor by
 tensor from the part's root), both writing into the caller's destination buffers::
 
-    ex = HybridExecutor(method_plan("hybrid", src, dst, rule=HybridRule(...)), group)  # collective
+    ex = HybridExecutor(HybridPlan(src, dst, HybridRule(...)), group)  # collective
     stats = ex.run(src_buffers, dst_buffers)    # phases: transfer, gather, broadcast
     ex.close()                                  # releases the broadcast part's subgroup
 
@@ -33,7 +33,7 @@ import torch.distributed as dist
 from ..planning.hybrid import HybridPlan
 from . import faults
 from .base import (Executor, RunStats, agree, agree_before_moving, check_buffers, check_storage, device_of,
-                   end_of_run, lossy_cast_problem, plan_ranks_problem)
+                   end_of_run, lossy_cast_problem)
 from .control import RefitError
 from .executor import ReshardExecutor
 from .gather_broadcast import GatherBroadcastExecutor
@@ -51,53 +51,47 @@ class HybridExecutor(Executor):
     (``allow_lossy`` covers both parts). With no broadcast part it is a reshard run; with no
     reshard part, a gather-and-broadcast run with the refit's checks and decision."""
 
+    name = "hybrid"
     needed_bytes_only = False  # the broadcast part sends every destination the full tensors
     bounded_staging = False  # the broadcast part stages full tensors
+    collective_setup = True
 
     def __init__(self, plan: HybridPlan, group: Group | dist.ProcessGroup | None = None, *,
                  timeout: timedelta = DEFAULT_TIMEOUT, overlap: bool = True, checksum: bool = False,
                  allow_lossy: bool = False) -> None:
         if not isinstance(plan, HybridPlan):
-            raise TypeError(f"HybridExecutor runs a HybridPlan (method_plan('hybrid', ...)), got {type(plan).__name__}")
-        self.plan = plan
-        self.group = Group.of(group)
-        self.timeout = timeout
-        self.checksum, self.allow_lossy = checksum, allow_lossy
-        self.rank = self.group.rank
-        self.closed = False
-        self.touched = False  # whether the last run reached the point of writing destination buffers
+            raise TypeError(f"HybridExecutor runs a HybridPlan (rs.HybridPlan(...)), got {type(plan).__name__}")
+        super().__init__(plan, group, timeout=timeout, checksum=checksum, allow_lossy=allow_lossy)
         self._where = "agreement"
         self._in_reshard = False
-        self.reshard = None if plan.reshard is None else ReshardExecutor(
+        self.reshard = None if plan.reshard is None or self.setup_error else ReshardExecutor(
             plan.reshard, self.group, timeout=timeout, overlap=overlap, checksum=checksum, allow_lossy=allow_lossy)
-        self.setup_error = (self.reshard.setup_error if self.reshard is not None else None) or (
-            plan_ranks_problem(plan.broadcast, self.group.size, self.rank) if plan.broadcast is not None else None)
         self.broadcaster: GatherBroadcastExecutor | None = None
         # collective before the broadcast part splits the group: ranks with another plan or rule would
         # otherwise wait in different splits until the timeout
-        agree(self.group, plan.fingerprint(), self.setup_error, self.options)
-        if plan.broadcast is not None:
-            self.broadcaster = GatherBroadcastExecutor(plan.broadcast, self.group, root=plan.root, timeout=timeout)
+        agree(self.group, plan.fingerprint(), self.setup_error, self.options, timeout)
+        if plan.gather_broadcast is not None:
+            self.broadcaster = GatherBroadcastExecutor(plan.gather_broadcast, self.group, timeout=timeout,
+                                                       allow_lossy=allow_lossy)
 
     @property
     def options(self) -> dict:
         """What every rank must agree on besides the plan."""
-        return {"executor": "hybrid", "rule": self.plan.rule.key, "root": self.plan.root, "checksum": self.checksum,
-                "allow_lossy": self.allow_lossy}
+        return {**super().options, "rule": self.plan.rule.key, "root": self.plan.root}
 
     @property
     def where(self) -> str:
         """The step a run is in (for errors): a reshard round, or the broadcast part."""
         return self.reshard.where if self._in_reshard and self.reshard is not None else self._where
 
+    @where.setter
+    def where(self, value: str) -> None:
+        self._where = value
+
     # ------------------------------------------------------------------ checks
     def _broadcast_buffers(self) -> tuple[set[str], set[str]]:
         """(source buffers read, destination buffers written) by this rank in the broadcast part."""
-        b = self.broadcaster
-        if b is None:
-            return set(), set()
-        read = {c.src_buffer for cs in b.sends.values() for c in cs} | {c.src_buffer for cs in b.local.values() for c in cs}
-        return read, {p.buffer for ps in b.my_pieces.values() for p in ps}
+        return self.broadcaster.buffers_used() if self.broadcaster is not None else (set(), set())
 
     def _reshard_buffers(self) -> tuple[set[str], set[str]]:
         """(source buffers read, destination buffers written) by this rank in the reshard part."""
@@ -147,12 +141,11 @@ class HybridExecutor(Executor):
         options that differ between ranks; :class:`RefitError` on every rank when either part fails
         (destination buffers may then hold a mix of old and new values). ``decide=False`` leaves the
         final decision to the caller (a refit session)."""
-        if self.closed:
-            raise RuntimeError(f"rank {self.rank}: this HybridExecutor is closed")
+        self.check_open()
         self._where, self._in_reshard, self.touched = "agreement", False, False
         self.group.check_usable("agreement")
         error = self.check(src_buffers, dst_buffers)
-        agree_before_moving(self.group, self.plan.fingerprint(), error, self.options, fail=self._fail)
+        agree_before_moving(self.group, self.plan.fingerprint(), error, self.options, self.timeout, fail=self._fail)
         failure, phases = None, []
         try:
             self.touched = True
@@ -165,7 +158,7 @@ class HybridExecutor(Executor):
                 if self.broadcaster is not None:
                     self._where = BROADCAST_PART
                     faults.hit(BROADCAST_PART)
-                    phases += self.broadcaster.run(src_buffers, dst_buffers).phases
+                    phases += self.broadcaster.move(src_buffers, dst_buffers)
         except RefitError as e:
             phase = BROADCAST_PART if not self._in_reshard and e.phase in ("transfer", "broadcast") else e.phase
             failure = RefitError(phase, str(e).partition(": ")[2], ranks=e.ranks)
@@ -183,7 +176,7 @@ class HybridExecutor(Executor):
 
     def close(self) -> None:
         """Release the broadcast part's subgroup (local, idempotent). The executor cannot run after."""
-        self.closed = True
+        super().close()
         if self.broadcaster is not None:
             self.broadcaster.close()
 

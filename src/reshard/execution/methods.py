@@ -1,17 +1,9 @@
-"""Refit methods by name: the plan each one runs and the executor that runs it.
+"""The executor of each refit method (:data:`~reshard.planning.methods.METHODS` names it), built from a
+finished plan and the refit's options. Every entry point (sessions, the demo, benchmarks) makes a
+method's plan and executor here, so a comparison can include any method::
 
-    method            plan                                            executor
-    reshard           plan(source, destination)                       ReshardExecutor
-    hierarchical      hierarchical_plan(source, destination, domains)  ReshardExecutor (its phases)
-    gather-broadcast  plan(source, destination)                       GatherBroadcastExecutor
-    hybrid            HybridPlan(source, destination, rule)           HybridExecutor: the tensors ``rule``
-                                                                      picks by reshard, the rest by
-                                                                      gather-and-broadcast
-
-The demo and the benchmarks pick methods from here, so a comparison can include any of them;
-``reshard`` and ``gather-broadcast`` share one plan. The hybrid's ``rule``
-(:class:`~reshard.planning.hybrid.HybridRule`, default: FFN and expert weights by reshard) is the
-user's to change: ``method_plan("hybrid", src, dst, rule=HybridRule(patterns=(r"experts",)))``.
+    plan = make_plan(options, source, destination)         # the method's plan (precision applied)
+    ex = make_executor(options, plan, group)               # collective where the executor says so
 
 >>> import torch, reshard as rs
 >>> spec = rs.TensorSpec("w", (4, 4), torch.float32)
@@ -19,7 +11,7 @@ user's to change: ``method_plan("hybrid", src, dst, rule=HybridRule(patterns=(r"
 >>> dst = rs.Layout.from_placements(spec, ranks=[1, 2], mesh_shape=(2,), placements=[rs.Replicate()])
 >>> method_plan("hierarchical", src, dst, domains={0: 0, 1: 1, 2: 1}).phase_names
 ['network', 'NVLink forward']
->>> method_plan("hybrid", src, dst, rule=HybridRule(patterns=(r"^w$",))).phase_names  # w picked: by reshard
+>>> method_plan("hybrid", src, dst, rule=rs.HybridRule(patterns=(r"^w$",))).phase_names  # w picked: by reshard
 ['transfer']
 """
 
@@ -28,75 +20,67 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Mapping
 
+from ..errors import OptionsError
 from ..layout import Layout
-from ..planning.hierarchy import hierarchical_plan
-from ..planning.hybrid import HybridPlan, HybridRule, as_rule
-from ..planning.plan import PhasedPlan, plan
+from ..options import DEFAULT_TIMEOUT, RefitOptions
+from ..planning.hybrid import HybridRule
+from ..planning.methods import GATHER_BROADCAST, HIERARCHICAL, HYBRID, METHOD_NAMES, RESHARD
+from ..planning.methods import METHODS as REGISTRY
+from ..planning.plan import PhasedPlan
+from ..planning.precision import PrecisionPlan
+from ..planning.schedule import round_cap
 from .base import Executor
-from .executor import DEFAULT_TIMEOUT, ReshardExecutor
+from .executor import ReshardExecutor
 from .gather_broadcast import GatherBroadcastExecutor
 from .hybrid import HybridExecutor
+from .precision import PrecisionExecutor
 
-RESHARD, GATHER_BROADCAST, HIERARCHICAL, HYBRID = "reshard", "gather-broadcast", "hierarchical", "hybrid"
-METHODS = (RESHARD, GATHER_BROADCAST, HIERARCHICAL, HYBRID)
+EXECUTORS: dict[str, type[Executor]] = {cls.__name__: cls for cls in (
+    ReshardExecutor, HybridExecutor, GatherBroadcastExecutor, PrecisionExecutor)}
+
+
+def make_plan(options: RefitOptions, source: Layout, destination: Layout) -> PhasedPlan:
+    """The plan of ``options.method`` (resolved: not ``"auto"``) from ``source`` to ``destination``."""
+    return REGISTRY[options.method].make(source, destination, options)
+
+
+def make_executor(options: RefitOptions, plan: PhasedPlan, group=None) -> Executor:
+    """The executor of ``options.method`` for its ``plan`` (a :class:`PrecisionPlan` runs on the
+    precision executor), with the options it takes. Collective where the executor's
+    ``collective_setup`` says so; the caller closes it."""
+    cls = PrecisionExecutor if isinstance(plan, PrecisionPlan) else EXECUTORS[REGISTRY[options.method].executor]
+    kwargs = {"timeout": options.timeout, "allow_lossy": options.allow_lossy}
+    if cls.checksums:
+        kwargs["checksum"] = options.checksum
+    return cls(plan, group, **kwargs)
+
+
+# ---------------------------------------------------------------------------- the names before the registry
+METHODS = METHOD_NAMES  # the methods' names, as callers imported them before the registry
 
 
 def check_method(method: str) -> str:
-    if method not in METHODS:
-        raise ValueError(f"unknown refit method {method!r}; choose from {', '.join(METHODS)}")
+    """``method`` if it is a registered method, else an OptionsError naming the methods."""
+    if method not in METHOD_NAMES:
+        raise OptionsError(f"unknown refit method {method!r}; choose from {', '.join(METHOD_NAMES)}")
     return method
-
-
-def round_cap(max_bucket_bytes: int | None) -> int | None:
-    """The staging cap of one round when a rank's total staging must stay under ``max_bucket_bytes``:
-    :class:`ReshardExecutor` overlaps neighbouring rounds, so two rounds' buffers are alive at once.
-
-    >>> round_cap(64 << 20) == 32 << 20, round_cap(None)
-    (True, None)
-    """
-    return None if max_bucket_bytes is None else max(1, max_bucket_bytes // 2)
 
 
 def method_plan(method: str, source: Layout, destination: Layout, *, max_bucket_bytes: int | None = None,
                 domains: Mapping[int, int] | None = None, rule: HybridRule | None = None) -> PhasedPlan:
-    """The plan ``method`` runs (``domains``, ``{rank: NVLink domain}``, is needed by ``hierarchical``;
-    given to ``hybrid``, its reshard part is hierarchical). ``rule``: which tensors the ``hybrid``
-    method moves by reshard (a :class:`HybridRule`, a list of regular expressions or a predicate on
-    names; default :class:`HybridRule`); an error for the other methods.
-
-    ``max_bucket_bytes`` caps each rank's staging in all (plus the largest single copy of each of
-    the two rounds in flight): rounds are scheduled at :func:`round_cap` of it.
-    """
-    check_method(method)
-    if rule is not None and method != HYBRID:
-        raise ValueError(f"a hybrid rule was given to the {method} method; only the hybrid method takes one")
-    if method == HYBRID:
-        return HybridPlan(source, destination, as_rule(rule), max_bucket_bytes=round_cap(max_bucket_bytes),
-                          domains=domains)
-    if method == HIERARCHICAL:
-        if domains is None:
-            raise ValueError("the hierarchical method needs domains ({rank: NVLink domain})")
-        return hierarchical_plan(source, destination, domains, max_bucket_bytes=round_cap(max_bucket_bytes))
-    return plan(source, destination, max_bucket_bytes=round_cap(max_bucket_bytes))
+    """The plan ``method`` runs, from keyword options (:func:`make_plan` of a :class:`RefitOptions`);
+    ``max_bucket_bytes`` caps each rank's staging in all."""
+    options = RefitOptions(method=check_method(method), max_bucket_bytes=max_bucket_bytes, domains=domains,
+                           hybrid_rule=rule)
+    return make_plan(options, source, destination)
 
 
 def method_executor(method: str, plan: PhasedPlan, group=None, *, timeout: timedelta = DEFAULT_TIMEOUT,
                     checksum: bool = False, allow_lossy: bool = False) -> Executor:
-    """The executor of ``method`` for ``plan`` (collective: every rank of ``group`` builds one, and
-    :meth:`~reshard.execution.base.Executor.close` s it). ``checksum`` and ``allow_lossy`` are the
-    reshard executor's options (for ``hybrid``: of both parts, the checksum of its reshard part);
-    gather-and-broadcast has neither."""
-    if check_method(method) == GATHER_BROADCAST:
-        if checksum:
-            raise ValueError("the gather-broadcast method has no checksum option")
-        return GatherBroadcastExecutor(plan, group, timeout=timeout)
-    if method == HYBRID:
-        if not isinstance(plan, HybridPlan):
-            raise ValueError(f"the hybrid method runs a HybridPlan (method_plan('hybrid', ...)), got "
-                             f"{type(plan).__name__}")
-        return HybridExecutor(plan, group, timeout=timeout, checksum=checksum, allow_lossy=allow_lossy)
-    return ReshardExecutor(plan, group, timeout=timeout, checksum=checksum, allow_lossy=allow_lossy)
+    """The executor of ``method`` for ``plan`` (:func:`make_executor` of a :class:`RefitOptions`)."""
+    options = RefitOptions(method=check_method(method), timeout=timeout, checksum=checksum, allow_lossy=allow_lossy)
+    return make_executor(options, plan, group)
 
 
-__all__ = ["GATHER_BROADCAST", "HIERARCHICAL", "HYBRID", "METHODS", "RESHARD", "check_method", "method_executor",
-           "method_plan", "round_cap"]
+__all__ = ["EXECUTORS", "GATHER_BROADCAST", "HIERARCHICAL", "HYBRID", "METHODS", "RESHARD", "check_method",
+           "make_executor", "make_plan", "method_executor", "method_plan", "round_cap"]

@@ -66,6 +66,70 @@ def broadcast_members(plan: Plan, root: int) -> list[int]:
     return sorted({root} | set(plan.destination.ranks))
 
 
+class GatherBroadcastPlan:
+    """The baseline as a finished plan: ``direct`` (what each destination ends up holding), the rank
+    that gathers (``root``), the :func:`gather_plan` into full buffers on it, and the broadcast's
+    members. What :class:`~reshard.execution.gather_broadcast.GatherBroadcastExecutor` runs.
+
+    >>> import torch, reshard as rs
+    >>> spec = rs.TensorSpec("w", (4, 6), torch.float32)
+    >>> src = rs.Layout.from_placements(spec, ranks=[0, 1], mesh_shape=(2,), placements=[rs.Shard(0)])
+    >>> dst = rs.Layout.from_placements(spec, ranks=[2, 3], mesh_shape=(2,), placements=[rs.Replicate()])
+    >>> g = GatherBroadcastPlan(rs.plan(src, dst))
+    >>> g.root, g.members, g.phase_names, g.wire_bytes
+    (0, [0, 2, 3], ['gather', 'broadcast'], 240)
+    """
+
+    max_bucket_bytes = None  # full tensors are staged: no cap
+
+    def __init__(self, direct: Plan, root: int | None = None) -> None:
+        self.direct = direct
+        self.root = int(default_root(direct) if root is None else root)
+        self.gather = gather_plan(direct, self.root)
+        self.members = broadcast_members(direct, self.root)
+
+    @property
+    def source(self) -> Layout:
+        return self.direct.source
+
+    @property
+    def destination(self) -> Layout:
+        return self.direct.destination
+
+    @property
+    def tensors(self) -> list[str]:
+        return self.direct.tensors
+
+    @property
+    def phases(self) -> list[Plan]:
+        """The ranks and buffers it touches are the direct plan's."""
+        return [self.direct]
+
+    @property
+    def phase_names(self) -> list[str]:
+        return ["gather", "broadcast"]
+
+    @property
+    def wire_bytes(self) -> int:
+        return sum(gather_broadcast_bytes(self.direct, self.root).values())
+
+    def fingerprint(self) -> str:
+        """The direct plan's: the root is one of the executor's options, which the ranks compare too
+        (so that ranks with another root are told which)."""
+        return self.direct.fingerprint()
+
+    def summary(self) -> dict:
+        return {"root": self.root, **gather_broadcast_bytes(self.direct, self.root), "direct": self.direct.summary()}
+
+    def __repr__(self) -> str:
+        return f"GatherBroadcastPlan({len(self.tensors)} tensors, root {self.root})"
+
+
+def gather_broadcast_plan(plan: Plan, root: int | None = None) -> GatherBroadcastPlan:
+    """``plan``'s tensors by gather-and-broadcast from ``root`` (default: the lowest source rank)."""
+    return GatherBroadcastPlan(plan, root)
+
+
 def gather_broadcast_bytes(plan: Plan, root: int | None = None) -> dict[str, int]:
     """Logical bytes the baseline moves: ``gather`` (to root), ``broadcast`` (root to each destination)."""
     root = default_root(plan) if root is None else root
@@ -209,5 +273,5 @@ def buckets(tensor_bytes: Sequence[int], bucket_bytes: int | None) -> list[list[
     return out
 
 
-__all__ = ["Stage", "broadcast_members", "buckets", "default_root", "gather_broadcast_bytes", "gather_layout",
-           "gather_plan", "gather_sends", "stage_groups", "stage_sends"]
+__all__ = ["GatherBroadcastPlan", "Stage", "broadcast_members", "buckets", "default_root", "gather_broadcast_bytes",
+           "gather_broadcast_plan", "gather_layout", "gather_plan", "gather_sends", "stage_groups", "stage_sends"]

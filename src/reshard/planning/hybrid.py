@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from ..layout import Layout
-from .baseline import default_root, gather_broadcast_bytes
+from .baseline import GatherBroadcastPlan, gather_broadcast_bytes
 from .hierarchy import HierarchicalPlan, hierarchical_plan
 from .plan import Plan, check_pair
 
@@ -193,14 +193,16 @@ class HybridPlan:
         if _holds_any(dst_r):
             self.reshard = (hierarchical_plan(src_r, dst_r, domains, max_bucket_bytes=max_bucket_bytes) if domains
                             else Plan(src_r, dst_r, max_bucket_bytes=max_bucket_bytes))
+        self.gather_broadcast: GatherBroadcastPlan | None = None  # the broadcast part, as its executor runs it
         if _holds_any(dst_b):  # gather-and-broadcast goes tensor by tensor: no rounds, no cap
             self.broadcast = Plan(src_b, dst_b)
+            self.gather_broadcast = GatherBroadcastPlan(self.broadcast)
         self._fingerprint: str | None = None
 
     @property
     def root(self) -> int | None:
         """The rank that gathers the broadcast part (None without one)."""
-        return None if self.broadcast is None else default_root(self.broadcast)
+        return None if self.gather_broadcast is None else self.gather_broadcast.root
 
     @property
     def phases(self) -> list[Plan]:

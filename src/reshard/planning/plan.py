@@ -42,7 +42,7 @@ from ..gc_pause import without_gc
 from ..layout import Layout, Repeated
 from ..tensors import LayoutError, dtype_class, is_int
 from .intersect import FANOUT, LOCAL, REMOTE, TensorItems, tensor_items
-from .schedule import ALIGN, Copy, Message, check_max_bucket_bytes, chunk_stream, pair_quotas
+from .schedule import ALIGN, ROUNDS_IN_FLIGHT, Copy, Message, check_max_bucket_bytes, chunk_stream, pair_quotas, round_cap
 
 PLAN_FORMAT = 2  # 2: staging quotas in proportion to each stream's bytes
 
@@ -206,7 +206,7 @@ class PhasedPlan(Protocol):
 
     source: Layout  # the layout the first phase reads
     destination: Layout  # every destination piece the refit fills
-    max_bucket_bytes: int | None  # staging cap per rank and round (None: one round)
+    max_bucket_bytes: int | None  # the most staging bytes a rank holds at once (None: no cap, one round)
 
     @property
     def phases(self) -> list["Plan"]: ...  # run in order; the first reads the source buffers
@@ -233,6 +233,7 @@ class Plan:
         self.source = source
         self.destination = destination
         self.max_bucket_bytes = max_bucket_bytes
+        self.round_bytes = round_cap(max_bucket_bytes)  # each round's share: two rounds are in flight
         self.domains = None if domains is None else domain_array(domains, set(source.ranks) | set(destination.ranks))
         self._fingerprint: str | None = None
         self._stacked_cache: dict[int, tuple] = {}
@@ -296,7 +297,8 @@ class Plan:
                 busiest = max(self._streams, key=lambda r: (self._streams[r], -r))
                 raise ValueError(
                     f"max_bucket_bytes={max_bucket_bytes} is too small for this plan: rank {busiest} exchanges "
-                    f"{self._streams[busiest]} messages per round, which needs at least {need} bytes"
+                    f"{self._streams[busiest]} messages per round, which needs at least {need} bytes (two rounds in "
+                    f"flight)"
                 )
 
     # ------------------------------------------------------------------ source choice
@@ -494,7 +496,7 @@ class Plan:
         """Per-round staging quota of every (source, destination) stream (:func:`~reshard.planning.schedule.pair_quotas`),
         from its payload plus at most ``ALIGN - 1`` bytes of padding per copy; ``None`` without a cap."""
         copies = self._pair_copies
-        return pair_quotas({p: b + (ALIGN - 1) * copies[p] for p, b in self.pair_bytes.items()}, self.max_bucket_bytes)
+        return pair_quotas({p: b + (ALIGN - 1) * copies[p] for p, b in self.pair_bytes.items()}, self.round_bytes)
 
     @cached_property
     def _pair_copies(self) -> dict[tuple[int, int], int]:
@@ -515,8 +517,11 @@ class Plan:
 
     @property
     def min_bucket_bytes(self) -> int:
-        """Smallest ``max_bucket_bytes`` this plan's layouts allow (one aligned element per stream)."""
-        return ALIGN * max(self._streams.values(), default=1)
+        """Smallest ``max_bucket_bytes`` this plan's layouts allow (one aligned element per stream, in
+        each of the rounds in flight)."""
+        if not self._streams:  # nothing crosses between ranks: any valid cap
+            return ALIGN
+        return ROUNDS_IN_FLIGHT * ALIGN * max(self._streams.values())
 
     @cached_property
     def _all_rank_plans(self) -> dict[int, RankPlan]:
@@ -570,7 +575,7 @@ class Plan:
         return self._fingerprint
 
     def _hash(self) -> str:
-        h = hashlib.sha256(f"reshard-plan-{PLAN_FORMAT}-{self.max_bucket_bytes}".encode())
+        h = hashlib.sha256(f"reshard-plan-{PLAN_FORMAT}-{self.round_bytes}".encode())
         if self.domains is not None:
             h.update(b"domains" + self.domains.tobytes())
         for g in self._groups:

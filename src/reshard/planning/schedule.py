@@ -56,6 +56,19 @@ def check_max_bucket_bytes(value, what: str = "max_bucket_bytes") -> int | None:
     return value
 
 
+ROUNDS_IN_FLIGHT = 2  # the reshard executor packs round j+1 and unpacks round j-1 while round j moves
+
+
+def round_cap(max_bucket_bytes: int | None) -> int | None:
+    """The staging cap of one round, from a rank's total staging cap ``max_bucket_bytes``: the
+    executor keeps :data:`ROUNDS_IN_FLIGHT` rounds' buffers alive at once, so each gets a share.
+
+    >>> round_cap(64 << 20) == 32 << 20, round_cap(None)
+    (True, None)
+    """
+    return None if max_bucket_bytes is None else max(1, max_bucket_bytes // ROUNDS_IN_FLIGHT)
+
+
 def aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 

@@ -18,13 +18,11 @@ with both sides)::
 A refit either commits its version on every rank or raises :class:`RefitError` on every rank,
 naming the phase and the rank(s) at fault, within ``timeout`` of the failure (one timeout bounds
 every wait: check-in, agreement, each round, the commit decision). A rank that raises, dies,
-stalls or never shows up is detected (:mod:`reshard.execution.control`). Destination states::
-
-    state      meaning                                        after
-    ready      holds every byte of ``version``                connect (version None), a commit
-    updating   a refit is writing                             refit() started
-    poisoned   may hold a mix of versions: must not serve     a refit failed after bytes moved
-    empty      never received a version                       join() (a new member)
+stalls or never shows up is detected (:mod:`reshard.execution.control`); the error's ``moved``
+says whether destination bytes may have moved. Destination states: :mod:`reshard.refit.states`
+(ready, updating, poisoned, empty). The options (method, staging cap, timeout, ...) are one
+:class:`~reshard.options.RefitOptions`; the method's plan and executor come from the registry
+(:mod:`reshard.planning.methods`, :mod:`reshard.execution.methods`).
 
 A failure before any destination byte moved (bad buffers, a plan that differs) leaves every
 destination ready at its version and the session usable. After a failure while bytes moved the
@@ -44,7 +42,6 @@ engines only lend bytes.
 from __future__ import annotations
 
 import os
-import pickle
 import socket
 import time
 import uuid
@@ -54,25 +51,22 @@ from typing import Mapping
 
 import torch.distributed as dist
 
+from ..errors import OptionsError
 from ..execution import faults
 from ..execution.base import Executor, RunStats, agree
 from ..execution.control import RefitError
-from ..execution.executor import ReshardExecutor
-from ..execution.group import DEFAULT_TIMEOUT, Group
-from ..execution.methods import (GATHER_BROADCAST, HIERARCHICAL, HYBRID, RESHARD, check_method, method_executor,
-                                 method_plan, round_cap)
-from ..execution.precision import PrecisionExecutor
+from ..execution.group import Group
+from ..execution.methods import make_executor, make_plan
 from ..layout import Layout
-from ..planning.hybrid import BROADCAST_ONLY, HybridRule, as_rule
-from ..planning.plan import PhasedPlan, Plan
-from ..planning.precision import DtypePolicy, PrecisionPlan, as_policy
-from ..planning.schedule import check_max_bucket_bytes
+from ..options import DEFAULT_BUCKET_BYTES, RefitOptions
+from ..planning.methods import AUTO, RESHARD
 from ..tensors import LayoutError
+from . import membership
 from .sides import Side, WriteReport
+from .states import DestinationState
 
-DEFAULT_BUCKET_BYTES = 256 << 20
-AUTO = "auto"
-READY, UPDATING, POISONED, EMPTY = "ready", "updating", "poisoned", "empty"
+READY, UPDATING, POISONED, EMPTY = (DestinationState.READY, DestinationState.UPDATING, DestinationState.POISONED,
+                                    DestinationState.EMPTY)
 
 
 @dataclass
@@ -94,24 +88,19 @@ class RefitSession:
     """One pairing of a trainer and its inference engines (see module doc)."""
 
     def __init__(self, group: Group, *, source: Side | None = None, destination: Side | None = None,
-                 method: str = AUTO, domains: Mapping[int, int] | None = None,
-                 max_bucket_bytes: int | None = DEFAULT_BUCKET_BYTES, timeout: timedelta = DEFAULT_TIMEOUT,
-                 failure: str | None = None, checksum: bool = False, allow_lossy: bool = False,
-                 hybrid_rule: HybridRule | None = None, precision: DtypePolicy | str | None = None,
-                 generation: int = 0, member: str | None = None, version: object = None,
-                 state: str = READY) -> None:
+                 options: RefitOptions = RefitOptions(), failure: str | None = None, generation: int = 0,
+                 member: str | None = None, version: object = None, state: DestinationState = READY) -> None:
         self.group = group
         self.rank = group.rank
         self.source, self.destination = source, destination
-        self.timeout = timeout
-        self.options = dict(method=method, domains=domains, max_bucket_bytes=max_bucket_bytes, checksum=checksum,
-                            allow_lossy=allow_lossy, hybrid_rule=hybrid_rule, precision=precision)
+        self.options = options
+        self.timeout = options.timeout
         self.executor: Executor | None = None
         self.writer = destination  # the side refits write: the destination, in its policy's precision
         self.generation = generation
-        self.member = member or f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
+        self.member = member or _member_name()
         self.version: object = version
-        self.state = state if destination is not None else READY
+        self.state = DestinationState(state) if destination is not None else READY
         self.failure: RefitError | None = None
         for side, what in ((source, "source"), (destination, "destination")):
             if side is not None and side.rank != self.rank:
@@ -119,38 +108,24 @@ class RefitSession:
                                  ranks=[self.rank])
         t0 = time.perf_counter()
         faults.hit("connect")
-        me = (self.rank, _part(source), _part(destination), failure, self.version, self.state)
-        parts = group.all_gather_object(me, timeout, what="connect")
+        me = (self.rank, _part(source), _part(destination), failure, self.version, self.state.value)
+        parts = group.all_gather_object(me, self.timeout, what="connect")
         failed = [f"rank {r}: {f}" for r, _, _, f, _, _ in parts if f]
         if failed:  # a rank could not build its side: every rank stops here, with its reason
             raise RefitError("connect", "; ".join(failed), ranks=[r for r, *_, f, _, _ in parts if f])
-        self.members = {r: (v, st, d is not None) for r, _, d, _, v, st in parts}
+        self.members = {r: (v, DestinationState(st), d is not None) for r, _, d, _, v, st in parts}
         error = None
         try:
             self.source_layout = _merge([p for _, p, *_ in parts], "source")
             self.destination_layout = _merge([d for _, _, d, *_ in parts], "destination")
-            if domains is None and method in (AUTO, HYBRID):
-                domains = detect_domains(group)
-            self.method = (HIERARCHICAL if domains else RESHARD) if method == AUTO else method
-            if precision is not None:  # each destination tensor in its policy's precision (FP8 engines)
-                self.plan = PrecisionPlan(self.source_layout, self.destination_layout, precision,
-                                          max_bucket_bytes=round_cap(max_bucket_bytes),
-                                          domains=domains if self.method == HIERARCHICAL else None)
-                self.executor = PrecisionExecutor(self.plan, group, timeout=timeout, checksum=checksum,
-                                                  allow_lossy=allow_lossy)
-                if destination is not None:
-                    self.writer = destination.with_layout(self.plan.destination)
-            else:
-                # gather-and-broadcast runs as the hybrid whose rule picks nothing: the same bytes, with
-                # the session's checks and commit decision
-                kind, rule = ((HYBRID, BROADCAST_ONLY) if self.method == GATHER_BROADCAST
-                              else (self.method, hybrid_rule))
-                self.plan: PhasedPlan = method_plan(kind, self.source_layout, self.destination_layout,
-                                                    max_bucket_bytes=max_bucket_bytes, domains=domains,
-                                                    rule=as_rule(rule))
-                # collective for the hybrid (the ranks agree, then its broadcast part splits the group)
-                self.executor = method_executor(kind, self.plan, group, timeout=timeout, checksum=checksum,
-                                                allow_lossy=allow_lossy)
+            found = detect_domains(group) if options.domains is None and options.method in (AUTO, "hybrid") else None
+            self.plan_options = options.resolved(found)  # "auto" resolved, the domains found filled in
+            self.method = self.plan_options.method
+            self.plan = make_plan(self.plan_options, self.source_layout, self.destination_layout)
+            # collective for executors with collective_setup (the ranks agree, then split off a subgroup)
+            self.executor = make_executor(self.plan_options, self.plan, group)
+            if destination is not None and options.precision is not None:
+                self.writer = destination.with_layout(self.plan.destination)  # FP8 weights and scales
             error = self.executor.setup_error or self.executor.check(
                 source.read() if source else {}, destination.begin_write() if destination else {})
             if destination is not None:
@@ -159,7 +134,7 @@ class RefitSession:
             error = f"rank {self.rank}: {e}"
         fingerprint = self.plan.fingerprint() if error is None else "-"
         try:
-            agree(group, fingerprint, error, self.executor.options if error is None else {})
+            agree(group, fingerprint, error, self.executor.options if error is None else {}, self.timeout)
         except (LayoutError, RefitError) as e:
             self._close_executor()
             if isinstance(e, RefitError):
@@ -171,28 +146,26 @@ class RefitSession:
     def connect(cls, *, source: Side | None = None, destination: Side | None = None,
                 group: Group | dist.ProcessGroup | None = None, store_addr: str | None = None,
                 rank: int | None = None, world_size: int | None = None, backend: str | None = None,
-                timeout: timedelta = DEFAULT_TIMEOUT, host_store: bool | None = None, **options) -> "RefitSession":
+                options: RefitOptions | Mapping | None = None, host_store: bool | None = None,
+                failure: str | None = None, member: str | None = None, **option_values) -> "RefitSession":
         """Rendezvous and build the session. The group is ``group`` if given; else a standalone group
         over the TCP store at ``store_addr`` (``"host:port"``, hosted by rank 0) with explicit ``rank``
         and ``world_size`` (``host_store``: whether this rank hosts the store; default rank 0; ``False``
         on every rank when the job's driver hosts it, so that the store outlives any rank); else torch's
         default group (``env://`` as torchrun sets it, or ``rs.init_process_group``). Only a standalone
         group can be recovered after a failure.
-        ``options``: ``method`` (``"auto"``, ``"reshard"``, ``"hierarchical"``, ``"hybrid"``,
-        ``"gather-broadcast"``), ``hybrid_rule`` (the hybrid's choice of tensors to move by reshard: a
-        :class:`~reshard.planning.hybrid.HybridRule`, a list of regular expressions or a predicate; the
-        same on every rank; default FFN and expert weights), ``domains``
-        (``{rank: NVLink domain}``), ``max_bucket_bytes``, ``checksum`` (a digest per message),
-        ``allow_lossy`` (send values a narrowing cast loses), ``precision`` (a
-        :class:`~reshard.planning.precision.DtypePolicy` or ``"fp8"``, ``"bf16"``, ...: each destination
-        tensor's precision, FP8 with block scales quantized where the block is whole; the destination
-        side declares the engine's layout at the source's precision and holds the buffers of
-        :func:`~reshard.planning.precision.precision_layout`, FP8 weights and ``<buffer>_scale_inv``;
-        methods ``auto``, ``reshard``, ``hierarchical``), ``failure`` (why this rank has no side to
-        offer: every rank raises it at once instead of waiting), ``member`` (this process's name in
-        membership changes)."""
-        _check_connect(timeout, options.get("method", AUTO), options.get("max_bucket_bytes", DEFAULT_BUCKET_BYTES),
-                       rank, world_size, options.get("hybrid_rule"), options.get("precision"))
+
+        ``options``: a :class:`~reshard.options.RefitOptions` (method, staging cap, timeout, checksum,
+        lossy casts, hybrid rule, precision, domains; the same on every rank), or its fields as keyword
+        arguments (``method="hybrid", checksum=True``); a wrong option raises
+        :class:`~reshard.errors.OptionsError` before any process connects. Under a dtype policy
+        (``precision``) the destination side declares the engine's layout at the source's precision
+        and holds the buffers of :func:`~reshard.planning.precision.precision_layout`, FP8 weights and
+        ``<buffer>_scale_inv``. ``failure``: why this rank has no side to offer (every rank raises it
+        at once instead of waiting); ``member``: this process's name in membership changes."""
+        options = RefitOptions.of(options, **option_values)
+        _check_ranks(rank, world_size)
+        timeout = options.timeout
         if group is not None:
             g = Group.of(group)
         elif store_addr is not None:
@@ -209,7 +182,7 @@ class RefitSession:
         else:
             g = Group()
         try:
-            return cls(g, source=source, destination=destination, timeout=timeout, **options)
+            return cls(g, source=source, destination=destination, options=options, failure=failure, member=member)
         except RefitError as e:
             if g is not group:
                 g.fail(e.with_traceback(None))
@@ -263,12 +236,12 @@ class RefitSession:
             if destination is not None:
                 destination.abort_write()
                 self.state = POISONED if executor.touched or before == POISONED else before
-            raise RefitError(e.phase, f"{what} failed: {str(e).partition(': ')[2]}", ranks=e.ranks) from None
+            raise RefitError(e.phase, f"{what} failed: {e.message}", ranks=e.ranks, moved=executor.touched) from None
         except Exception as e:  # the store itself is gone (its host died)
             self.failure = self.group.fail(RefitError("commit", f"the control store is gone: {e}", ranks=[0]))
             if destination is not None:
                 self.state = POISONED if executor.touched or before == POISONED else before
-            raise self.failure from None
+            raise self.failure.but(moved=executor.touched) from None
         if destination is not None:
             self.version, self.state = version, READY
         elif self.destination is None:
@@ -296,14 +269,13 @@ class RefitSession:
         store = self.group.tcp_store
         if store is None:
             return []
-        admitted, joiners = int(store.add("members/admitted", 0)), int(store.add("members/joiners", 0))
-        return [store.get(f"members/joiner/{i}").decode() for i in range(admitted + 1, joiners + 1)]
+        return membership.waiting(store)
 
     def leave(self) -> None:
         """Leave the session between refits (an engine scaled down): the members' next :meth:`resize`
         goes on without this rank at once instead of waiting for it. Closes this rank's group."""
         if self.group.tcp_store is not None:
-            self.group.tcp_store.set(f"members/g{self.generation + 1}/gone/{self.rank}", self.member)
+            membership.mark_gone(self.group.tcp_store, self.generation + 1, self.rank, self.member)
         self.close()
 
     def _regroup(self, what: str, timeout: timedelta | None) -> "RefitSession":
@@ -315,7 +287,7 @@ class RefitSession:
         at_fault = set(self.failure.ranks) if self.failure else set()
         try:
             faults.hit(what)
-            roster = _roster(store, gen, self.rank, self.member, self.group.size, at_fault, timeout, what)
+            roster = membership.roster(store, gen, self.rank, self.member, self.group.size, at_fault, timeout, what)
         except RefitError:
             raise
         except Exception as e:  # this rank fails its part: the others go on without it
@@ -330,48 +302,40 @@ class RefitSession:
     def _join_generation(self, store, gen: int, roster: list[str], timeout: timedelta) -> "RefitSession":
         new_rank = roster.index(self.member)
         g = Group.connect(self.group.store_addr, new_rank, len(roster), backend=self.group.backend,
-                          timeout=timeout, prefix=f"reshard/g{gen}", store=store)
+                          timeout=timeout, prefix=membership.generation_prefix(gen), store=store)
         source = _renumbered(self.source, new_rank)
         destination = _renumbered(self.destination, new_rank)
         try:
-            return RefitSession(g, source=source, destination=destination, timeout=self.timeout, generation=gen,
-                                member=self.member, version=self.version, state=self.state, **self.options)
+            return RefitSession(g, source=source, destination=destination, options=self.options, generation=gen,
+                                member=self.member, version=self.version, state=self.state)
         except BaseException:
             g.close()
             raise
 
     @classmethod
     def join(cls, store_addr: str, *, source: Side | None = None, destination: Side | None = None,
-             backend: str | None = None, timeout: timedelta = DEFAULT_TIMEOUT, member: str | None = None,
-             **options) -> "RefitSession":
-        """A new process joins a running session (store at ``store_addr``): it waits, at most ``timeout``,
-        until the members call :meth:`resize` (or :meth:`recover`), then returns its session. Its sides
-        are built for rank 0 and renumbered; its destination state is ``"empty"`` until
-        :meth:`catch_up` or a refit."""
+             backend: str | None = None, member: str | None = None, options: RefitOptions | Mapping | None = None,
+             **option_values) -> "RefitSession":
+        """A new process joins a running session (store at ``store_addr``): it waits, at most the
+        options' ``timeout``, until the members call :meth:`resize` (or :meth:`recover`), then returns
+        its session. Its sides are built for rank 0 and renumbered; its destination state is
+        ``"empty"`` until :meth:`catch_up` or a refit. ``options`` as in :meth:`connect` (the members')."""
+        options = RefitOptions.of(options, **option_values)
+        timeout = options.timeout
         host, _, port = store_addr.rpartition(":")
         try:
             store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout, wait_for_workers=False)
         except (RuntimeError, ValueError) as e:
             raise RefitError("join", f"no session store at {store_addr}: {str(e).splitlines()[0][:200]}") from None
-        member = member or f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
-        index = store.add("members/joiners", 1)
-        store.set(f"members/joiner/{index}", member)
-        deadline = time.monotonic() + timeout.total_seconds()
-        while True:
-            gen = int(store.add("members/generation", 0))
-            if gen and member in pickle.loads(store.get(f"members/g{gen}/roster")):
-                break
-            if time.monotonic() > deadline:
-                raise RefitError("join", f"{member} was not admitted within {timeout.total_seconds():g} s (no member "
-                                         f"called resize() or recover())")
-            time.sleep(0.01)
-        roster = pickle.loads(store.get(f"members/g{gen}/roster"))
+        member = member or _member_name()
+        membership.ask_to_join(store, member)
+        gen, roster = membership.admitted(store, member, timeout)
         new_rank = roster.index(member)
         g = Group.connect(store_addr, new_rank, len(roster), backend=backend, timeout=timeout,
-                          prefix=f"reshard/g{gen}", store=store)
+                          prefix=membership.generation_prefix(gen), store=store)
         try:
             return cls(g, source=_renumbered(source, new_rank), destination=_renumbered(destination, new_rank),
-                       timeout=timeout, generation=gen, member=member, state=EMPTY, **options)
+                       options=options, generation=gen, member=member, state=EMPTY)
         except BaseException:
             g.close()
             raise
@@ -390,14 +354,14 @@ class RefitSession:
             return None
         donors = sorted(r for r, (v, st, has_dst) in self.members.items()
                         if has_dst and st == READY and v == version and r not in behind)
-        precision = self.options["precision"]
         held = self.writer_layout  # engines lend the bytes they hold (FP8 ones: FP8 values and scales)
         need = held.subset(behind)
+        # catch-ups run the reshard method: from engines, on bytes already in the engines' precision
+        direct = self.options.replace(method=RESHARD, domains=None, hybrid_rule=None)
         plan = None
         if source in (AUTO, "engines") and donors:
             try:
-                plan = Plan(held.subset(donors), need,
-                            max_bucket_bytes=self.options["max_bucket_bytes"])
+                plan = make_plan(direct.replace(precision=None), held.subset(donors), need)
             except (LayoutError, ValueError):
                 if source == "engines":
                     raise RefitError("catch-up", f"the engines at version {version!r} (ranks {donors}) do not "
@@ -406,14 +370,9 @@ class RefitSession:
         if plan is None:
             if source == "engines":
                 raise RefitError("catch-up", f"no engine holds version {version!r}")
-            if precision is not None:  # from the trainer: quantized as in a refit
-                plan = PrecisionPlan(self.source_layout, self.destination_layout.subset(behind), precision,
-                                     max_bucket_bytes=round_cap(self.options["max_bucket_bytes"]))
-            else:
-                plan = Plan(self.source_layout, need, max_bucket_bytes=self.options["max_bucket_bytes"])
-        executor = (PrecisionExecutor if isinstance(plan, PrecisionPlan) else ReshardExecutor)(
-            plan, self.group, timeout=self.timeout, checksum=self.options["checksum"],
-            allow_lossy=self.options["allow_lossy"])
+            # from the trainer: quantized as in a refit, under the session's policy
+            plan = make_plan(direct, self.source_layout, self.destination_layout.subset(behind))
+        executor = make_executor(direct, plan, self.group)
         if from_engines:
             src = self.writer.read() if self.rank in donors else {}
         else:
@@ -429,7 +388,7 @@ class RefitSession:
     def writer_layout(self) -> Layout:
         """The destination layout as refits write it: :attr:`destination_layout`, or under the session's
         dtype policy its :func:`~reshard.planning.precision.precision_layout` (FP8 weights and scales)."""
-        return self.plan.destination if self.options["precision"] is not None else self.destination_layout
+        return self.plan.destination if self.options.precision is not None else self.destination_layout
 
     def _current_version(self) -> object:
         versions = [v for r, (v, st, has_dst) in sorted(self.members.items()) if has_dst and st == READY and v is not None]
@@ -446,76 +405,18 @@ class RefitSession:
             self.executor.close()  # a reshard executor holds nothing; a hybrid one its broadcast subgroup
 
 
-def _check_connect(timeout, method, max_bucket_bytes, rank, world_size, hybrid_rule=None, precision=None) -> None:
-    """Options a user got wrong, named before any process connects (a RefitError on this rank alone)."""
-    if not isinstance(timeout, timedelta) or not timeout.total_seconds() > 0:
-        raise RefitError("connect", f"timeout must be a positive datetime.timedelta, got {timeout!r}")
-    if method != AUTO:
-        try:
-            check_method(method)
-        except ValueError as e:
-            raise RefitError("connect", str(e)) from None
-    if hybrid_rule is not None:
-        if method != HYBRID:
-            raise RefitError("connect", f"hybrid_rule is an option of method='hybrid', not method={method!r}")
-        try:
-            as_rule(hybrid_rule)
-        except ValueError as e:
-            raise RefitError("connect", str(e)) from None
-    if precision is not None:
-        if method not in (AUTO, RESHARD, HIERARCHICAL):
-            raise RefitError("connect", f"precision is an option of the reshard and hierarchical methods, not "
-                                        f"method={method!r}")
-        try:
-            as_policy(precision)
-        except ValueError as e:
-            raise RefitError("connect", str(e)) from None
-    try:
-        check_max_bucket_bytes(max_bucket_bytes)
-    except ValueError as e:
-        raise RefitError("connect", str(e)) from None
+def _check_ranks(rank, world_size) -> None:
+    """A rank or group size a user got wrong, named before any process connects."""
     for name, value in (("rank", rank), ("world_size", world_size)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            raise RefitError("connect", f"{name} must be an integer >= 0, got {value!r}")
+            raise OptionsError(f"{name} must be an integer >= 0, got {value!r}")
     if rank is not None and world_size is not None and rank >= world_size:
-        raise RefitError("connect", f"rank {rank} is outside a group of world_size {world_size}")
+        raise OptionsError(f"rank {rank} is outside a group of world_size {world_size}")
 
 
-def _roster(store, gen: int, rank: int, member: str, size: int, at_fault: set[int], timeout: timedelta,
-            what: str) -> list[str]:
-    """The members of generation ``gen``: the first member to come back leads (``compare_set`` on the
-    store); it waits for the others (those at fault in the failure get a short grace, the rest
-    ``timeout``) and publishes the old members that came back, in old rank order, then the
-    processes waiting in :meth:`RefitSession.join`. Every member reads the same list."""
-    prefix = f"members/g{gen}"
-    store.set(f"{prefix}/back/{rank}", member)
-    if int(store.compare_set(f"{prefix}/leader", "", str(rank)).decode()) == rank:
-        start = time.monotonic()
-        limit = timeout.total_seconds()
-        grace = min(limit / 4, 1.0)
-        while True:
-            back = [r for r in range(size) if store.check([f"{prefix}/back/{r}"])]
-            waiting = [r for r in range(size) if r not in back and not store.check([f"{prefix}/gone/{r}"]) and (
-                time.monotonic() - start < (grace if r in at_fault else limit))]
-            if not waiting:
-                break
-            time.sleep(0.005)
-        members = [store.get(f"{prefix}/back/{r}").decode() for r in back]
-        admitted = int(store.add("members/admitted", 0))
-        joiners = int(store.add("members/joiners", 0))
-        members += [store.get(f"members/joiner/{i}").decode() for i in range(admitted + 1, joiners + 1)]
-        store.add("members/admitted", joiners - admitted)
-        store.set(f"{prefix}/roster", pickle.dumps(members))
-        store.add("members/generation", gen - int(store.add("members/generation", 0)))
-        return members
-    deadline = time.monotonic() + 2 * timeout.total_seconds()
-    while not store.check([f"{prefix}/roster"]):
-        if time.monotonic() > deadline:
-            leader = store.get(f"{prefix}/leader").decode()
-            raise RefitError(what, f"rank {leader}, which leads the {what}, published no membership within "
-                                   f"{2 * timeout.total_seconds():g} s", ranks=[int(leader)])
-        time.sleep(0.005)
-    return pickle.loads(store.get(f"{prefix}/roster"))
+def _member_name() -> str:
+    """This process's name in membership changes: host, pid and a random suffix."""
+    return f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
 
 
 def _renumbered(side: Side | None, rank: int) -> Side | None:
