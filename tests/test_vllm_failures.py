@@ -410,7 +410,7 @@ def test_http_client_pauses_through_the_servers_routes(monkeypatch):
     from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
 
     from reshard.integrations.vllm import HTTPClient
-    from reshard.integrations.vllm.trainer import as_client
+    from reshard.integrations.vllm.clients import as_client
 
     posted = []
 

@@ -1,13 +1,17 @@
 """The ``reshard`` weight-transfer backend for vLLM.
 
-    plugin.py    registers the backend with vLLM's factories (the ``vllm.general_plugins`` entry point)
-    engine.py    worker side: ReshardWeightTransferEngine, driven by vLLM's weight-sync calls
-    trainer.py   trainer side: ReshardTrainerInitInfo, ReshardSource, ReshardTrainerWeightTransferEngine,
-                 EngineGroup (several engines as one client); pausing around refits, and gating
-                 engines a failed refit may have torn (WeightsPoisonedError)
-    model.py     a live vLLM model as the destination side (in place, or through vLLM's layerwise reload)
-    broadcast.py the baseline ``gloo_broadcast`` backend: vLLM's nccl broadcast path with gloo standing in
-    inspect.py   what tests and benchmarks read from engines (tensors, digests, stats, each worker's refit state)
+    plugin.py     registers the backend with vLLM's factories (the ``vllm.general_plugins`` entry point)
+    engine.py     worker side: ReshardWeightTransferEngine, driven by vLLM's weight-sync calls
+    model.py      a live vLLM model as the destination side (in place, or through vLLM's layerwise reload)
+    init_info.py  trainer side: ReshardTrainerInitInfo, how the trainer ranks and engines form the refit group
+    source.py     trainer side: ReshardSource, a trainer rank's local shards and their layout
+    clients.py    the engines as the trainer drives them: OfflineClient, HTTPClient (pause, gate:
+                  WeightsPoisonedError), EngineGroup (several engines as one client)
+    threads.py    calls made bounded: each on a daemon thread, waited for at most a given time
+    trainer.py    trainer side: ReshardTrainerWeightTransferEngine; pausing around refits, and gating
+                  engines a failed refit may have torn
+    broadcast.py  the baseline ``gloo_broadcast`` backend: vLLM's nccl broadcast path with gloo standing in
+    inspect.py    what tests and benchmarks read from engines (tensors, digests, stats, each worker's refit state)
 
 Inference side, nothing to import::
 
@@ -27,11 +31,11 @@ Trainer side, on every trainer rank (see the README, "Use with vLLM")::
 Importing this package does not import vLLM; its names load on first use.
 """
 
-_NAMES = {"ReshardTrainerInitInfo": "trainer", "ReshardSource": "trainer", "EngineGroup": "trainer",
-          "ReshardTrainerWeightTransferEngine": "trainer", "ReshardWeightTransferEngine": "engine",
+_NAMES = {"ReshardTrainerInitInfo": "init_info", "ReshardSource": "source",
+          "ReshardTrainerWeightTransferEngine": "trainer", "EngineGroup": "clients", "OfflineClient": "clients",
+          "HTTPClient": "clients", "WeightsPoisonedError": "clients", "ReshardWeightTransferEngine": "engine",
           "ReshardWeightTransferInitInfo": "engine", "VLLMModelSide": "model", "register": "plugin",
           "BroadcastTrainerInitInfo": "broadcast", "full_checkpoint_tensors": "broadcast",
-          "WeightsPoisonedError": "trainer", "OfflineClient": "trainer", "HTTPClient": "trainer",
           "transfer_state": "inspect"}
 
 

@@ -32,7 +32,11 @@ from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeight
 from ...execution.group import Group
 from ...models.arch import named_tensors, parameter_segments
 from ...planning.baseline import buckets
-from .trainer import EngineGroup, as_client, with_pending_call
+from .clients import EngineGroup, as_client
+from .plugin import register
+from .threads import with_pending_call
+
+register()  # as for reshard's init info: using this one registers the backend in a trainer process
 
 BACKEND = "gloo_broadcast"
 BROADCAST = "broadcast"  # the worker engine's method name for this path
@@ -44,16 +48,17 @@ def receive_broadcast(model: torch.nn.Module, group: Group, update, bucket_bytes
     (inside a layerwise reload, where the model's parameters are on the meta device)."""
     from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
-    dtypes = [getattr(torch, d) for d in update.dtype_names]
-    sizes = [int(torch.Size(s).numel()) * d.itemsize for s, d in zip(update.shapes, dtypes)]
+    dtypes = [getattr(torch, name) for name in update.dtype_names]
+    sizes = [int(torch.Size(shape).numel()) * dtype.itemsize for shape, dtype in zip(update.shapes, dtypes)]
     with disable_mtp_completeness_check():
         for bucket in buckets(sizes, bucket_bytes):
             flat = torch.empty(sum(sizes[i] for i in bucket), dtype=torch.uint8, device=group.device)
             group.broadcast(flat, 0)
-            weights, pos = [], 0
+            weights, offset = [], 0
             for i in bucket:
-                weights.append((update.names[i], flat[pos: pos + sizes[i]].view(dtypes[i]).view(update.shapes[i])))
-                pos += sizes[i]
+                data = flat[offset: offset + sizes[i]].view(dtypes[i]).view(update.shapes[i])
+                weights.append((update.names[i], data))
+                offset += sizes[i]
             model.load_weights(weights)
     return {"recv_bytes": sum(sizes)}
 
@@ -83,11 +88,11 @@ def full_checkpoint_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torc
     """``(checkpoint name, full tensor)`` of every parameter and persistent buffer, gathering DTensors
     (a collective: every rank of the module's group iterates, in the same order) and splitting
     transformers 5's fused experts back into checkpoint tensors."""
-    for name, t in named_tensors(module):
-        full = (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
-        for spec, seg in parameter_segments(name, tuple(full.shape), full.dtype):
-            box = full[seg.lead] if seg.lead else full
-            yield spec.name, box[tuple(slice(o, o + n) for o, n in zip(seg.offsets, spec.shape))]
+    for name, tensor in named_tensors(module):
+        full = (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach()
+        for spec, segment in parameter_segments(name, tuple(full.shape), full.dtype):
+            box = full[segment.lead] if segment.lead else full
+            yield spec.name, box[tuple(slice(start, start + size) for start, size in zip(segment.offsets, spec.shape))]
 
 
 class BroadcastTrainerWeightTransferEngine(TrainerWeightTransferEngine[BroadcastTrainerInitInfo]):
@@ -121,12 +126,13 @@ class BroadcastTrainerWeightTransferEngine(TrainerWeightTransferEngine[Broadcast
     def send_weights(self, weight_version: str | None = None) -> dict[str, int]:
         """Gather every full tensor (every trainer rank), broadcast them from rank 0; returns the bytes
         each worker received."""
-        tensors = [(n, t if self.dtype is None else t.to(self.dtype)) for n, t in full_checkpoint_tensors(self.module)]
+        tensors = [(name, tensor if self.dtype is None else tensor.to(self.dtype))
+                   for name, tensor in full_checkpoint_tensors(self.module)]
         if not self.is_sender:
             return {"recv_bytes": 0}
-        sizes = [t.numel() * t.element_size() for _, t in tensors]
-        update = {"names": [n for n, _ in tensors], "shapes": [list(t.shape) for _, t in tensors],
-                  "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in tensors]}
+        sizes = [tensor.numel() * tensor.element_size() for _, tensor in tensors]
+        update = {"names": [name for name, _ in tensors], "shapes": [list(tensor.shape) for _, tensor in tensors],
+                  "dtype_names": [str(tensor.dtype).removeprefix("torch.") for _, tensor in tensors]}
         self.client.start_weight_update()
         pending = self._pool.submit(self.client.update_weights, update)
         with with_pending_call(pending):
