@@ -1,0 +1,31 @@
+"""The states of a refit's destination side (an inference rank), shared by the session and the engines.
+
+    state      meaning                                        after
+    ready      holds every byte of ``version``                connect (version None), a commit
+    updating   a refit is writing                             refit() started
+    poisoned   may hold a mix of versions: must not serve     a refit failed after bytes moved
+    empty      never received a version                       join() (a new member)
+
+A state is a ``str`` enum: it compares equal to its plain name (``DestinationState.READY ==
+"ready"``) and prints as it (``str()``, f-strings, ``%s``), so logs read the same as with bare
+strings; JSON and other plain data take ``.value``.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class DestinationState(str, enum.Enum):
+    """Where a destination rank stands (see module doc)."""
+
+    READY = "ready"
+    UPDATING = "updating"
+    POISONED = "poisoned"
+    EMPTY = "empty"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+__all__ = ["DestinationState"]
