@@ -140,12 +140,15 @@ def test_bad_buffers_and_options_fail_on_every_rank_before_bytes_move():
 
 
 # ---------------------------------------------------------------------------- membership
-def _member(index, addr, roles, results):
+def _member(index, addr, everyone_up, results):
     """index 0: trainer (rank 0, hosts the store); 1: engine A; 2: an engine that joins later."""
     torch.set_num_threads(1)
+    # the sessions' 20 s timeouts start once all three processes are up (a start takes ~5 s here, ~20 s
+    # with both cores busy: waiting 120 s for it is a margin of 6x); past the bound, BrokenBarrierError
+    everyone_up.wait(120)
     s = Scenario(0, 11, 1, 2, None, 0, checksum=False, timeout_s=10, bucket_bytes=512)
     src_layout, dst_layout = scenario_layouts(s)  # ranks 1 and 2 are two engines of one layout? no: split over both
-    timeout = datetime.timedelta(seconds=20)
+    timeout = datetime.timedelta(seconds=20)  # the longest wait (joining: a peer's refit and resize, ~1 s) x 20
     # engines hold the whole model each (replicas), so a newcomer can take it from an engine
     specs = list(dst_layout.specs.values())
     engine = rs.Layout.merge([rs.Layout.from_placements(sp, [1], (1,), [rs.Replicate()]) for sp in specs])
@@ -205,13 +208,14 @@ def test_an_engine_joins_catches_up_from_an_engine_and_another_leaves():
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     addr = f"127.0.0.1:{free_port()}"
-    procs = [ctx.Process(target=_member, args=(i, addr, None, results)) for i in range(3)]
+    everyone_up = ctx.Barrier(3)
+    procs = [ctx.Process(target=_member, args=(i, addr, everyone_up, results)) for i in range(3)]
     for p in procs:
         p.start()
     got = {}
     try:
         for _ in procs:
-            index, log, error = results.get(timeout=120)
+            index, log, error = results.get(timeout=200)  # a start + the barrier's 120 s + the scenario's ~10 s
             got[index] = (log, error)
     finally:
         for p in procs:

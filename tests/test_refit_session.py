@@ -17,6 +17,9 @@ from reshard.refit import RefitError, RefitSession, Side
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
+# every session wait: launch() starts the ranks once every process is up, so a connect waits only for
+# the peers' work before it (a small model built or loaded, ~2-5 s here, ~10 s with both cores busy):
+# a margin of 6x or more
 TIMEOUT = __import__("datetime").timedelta(seconds=60)
 CONFIG = dict(hidden_size=64, num_hidden_layers=2, vocab_size=256, num_attention_heads=4, num_key_value_heads=2,
               head_dim=16, intermediate_size=128, max_position_embeddings=64, tie_word_embeddings=False)

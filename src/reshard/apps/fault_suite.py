@@ -234,18 +234,30 @@ def _check(out: dict, layout: Layout, rank: int, buffers: dict, version: int, de
 
 
 # ---------------------------------------------------------------------------- driver
-def _worker(tasks, results) -> None:
+# Spawning a worker and importing torch and reshard takes ~3-5 s on a 2-core machine, ~10-20 s with
+# both cores busy: 120 s is a margin of 6x or more. No scenario starts before every worker is ready,
+# so the scenarios' own timeouts (2 s) never include a process start.
+READY_TIMEOUT_S = 120.0
+
+
+class WorkerNotReady(RuntimeError):
+    """A fault-suite worker process died or did not become ready within the driver's bound."""
+
+
+def _worker(slot: int, tasks, results) -> None:
     torch.set_num_threads(1)
+    results.put({"ready": slot, "pid": os.getpid()})  # imports done (this module's, at unpickling)
     while True:
         task = tasks.get()
         if task is None:
             return
-        s, rank, addr = task
+        run_id, s, rank, addr = task
         try:
-            results.put(run_rank(s, rank, addr))
+            report = run_rank(s, rank, addr)
         except Exception:  # noqa: BLE001 - a harness bug: report it, do not hang the driver
-            results.put({"rank": rank, "events": [("harness error", traceback.format_exc()[-800:])],
-                         "fault_fired": False, "silent": 0, "torn": 0})
+            report = {"rank": rank, "events": [("harness error", traceback.format_exc()[-800:])],
+                      "fault_fired": False, "silent": 0, "torn": 0}
+        results.put({**report, "run": run_id})
         faults.arm(None)
 
 
@@ -263,25 +275,57 @@ class Outcome:
 
 
 class Driver:
-    """Persistent worker processes and a TCP store per scenario (see module doc)."""
+    """Persistent worker processes and a TCP store per scenario (see module doc). Every worker, a
+    replacement included, has said it is ready before a scenario starts (``ready_timeout_s`` bounds
+    the wait; past it, or if a worker dies first, :class:`WorkerNotReady`)."""
 
-    def __init__(self, workers: int = 5) -> None:
+    def __init__(self, workers: int = 5, ready_timeout_s: float = READY_TIMEOUT_S) -> None:
         self.ctx = mp.get_context("spawn")
         self.results = self.ctx.Queue()
-        self.pool: list[tuple] = [self._start() for _ in range(workers)]
+        self.ready_timeout_s = ready_timeout_s
+        self.runs = 0  # scenarios run: a report names its run, so a late one is never taken for the next's
+        self.pool: list[tuple] = [self._start(slot) for slot in range(workers)]
+        try:
+            self._await_ready(range(workers))
+        except BaseException:
+            self.close()
+            raise
 
-    def _start(self):
+    def _start(self, slot: int):
         tasks = self.ctx.Queue()
-        p = self.ctx.Process(target=_worker, args=(tasks, self.results), daemon=True)
+        p = self.ctx.Process(target=_worker, args=(slot, tasks, self.results), daemon=True)
         p.start()
         return p, tasks
 
+    def _await_ready(self, slots) -> None:
+        """Wait until the workers in ``slots`` said they are ready (messages of earlier runs are dropped)."""
+        waiting = set(slots)
+        deadline = time.monotonic() + self.ready_timeout_s
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WorkerNotReady(f"fault-suite workers {sorted(waiting)} not ready within "
+                                     f"{self.ready_timeout_s:g} s (spawning a process, importing torch)")
+            try:
+                message = self.results.get(timeout=min(0.2, left))
+            except queue.Empty:
+                dead = [slot for slot in sorted(waiting) if not self.pool[slot][0].is_alive()]
+                if dead:
+                    p = self.pool[dead[0]][0]
+                    raise WorkerNotReady(f"fault-suite worker {dead[0]} (pid {p.pid}) exited with code "
+                                         f"{p.exitcode} before it was ready") from None
+                continue
+            slot = message.get("ready")
+            if slot in waiting and message["pid"] == self.pool[slot][0].pid:
+                waiting.discard(slot)
+
     def run(self, s: Scenario) -> Outcome:
+        self.runs += 1
         port = free_port()
         store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=30),
                               wait_for_workers=False)
         for rank in range(s.world):
-            self.pool[rank][1].put((s, rank, f"127.0.0.1:{port}"))
+            self.pool[rank][1].put((self.runs, s, rank, f"127.0.0.1:{port}"))
         deadline = time.time() + 12 * s.timeout_s + 30
         reports: dict[int, dict] = {}
         lost = {s.fault_rank} if s.fault and s.fault.split("@")[0] in ("kill", "stall") else set()
@@ -291,25 +335,21 @@ class Driver:
                 break  # the killed or stalled rank will not report
             try:
                 rep = self.results.get(timeout=0.2)
-                reports[rep["rank"]] = rep
             except queue.Empty:
-                pass
+                continue
+            if rep.get("run") == self.runs:
+                reports[rep["rank"]] = rep
         outcome = self._judge(s, store, reports, lost)
+        replaced = []
         for rank in range(s.world):  # replace what died or is stuck
             p, _ = self.pool[rank]
             if rank not in reports or not p.is_alive():
                 p.kill()
                 p.join(10)
-                self.pool[rank] = self._start()
-        self._drain()
+                self.pool[rank] = self._start(rank)
+                replaced.append(rank)
+        self._await_ready(replaced)
         return outcome
-
-    def _drain(self) -> None:
-        while True:
-            try:
-                self.results.get_nowait()
-            except queue.Empty:
-                return
 
     @staticmethod
     def _fault_fired(store, s: Scenario) -> bool:
