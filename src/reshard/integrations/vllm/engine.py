@@ -10,9 +10,9 @@ vLLM drives it through its weight-sync calls (``LLM`` methods, the HTTP server's
 
 The trainer picks the method in the init info: ``"auto"``, ``"reshard"``, ``"hierarchical"``,
 ``"hybrid"`` (``hybrid_patterns`` by reshard, the other tensors by gather-and-broadcast),
-``"gather-broadcast"`` (a refit session each), or ``"broadcast"``, the baseline of :mod:`reshard.integrations.vllm.broadcast`
-(full tensors from trainer rank 0 into ``load_weights``), so one engine can be refitted every way a
-comparison needs.
+``"gather-broadcast"`` (a refit session each), or ``"broadcast"``, the baseline of
+:mod:`reshard.integrations.vllm.broadcast` (full tensors from trainer rank 0 into
+``load_weights``), so one engine can be refitted every way a comparison needs.
 
 **Failures.** vLLM 0.32's multiprocess executor stops reading the workers' replies at the first
 failed one, so an error raised by several workers of one engine leaves replies queued and the
@@ -32,16 +32,17 @@ next update would fail there. Every worker returns alike, and the trainer closes
 ``finish_weight_update()`` without a version (vLLM's version stays).
 
 **Poisoned.** A refit that fails after bytes arrived leaves this worker's weights a mix of
-versions: the worker is *poisoned* (``state``, the session's destination state), logs an error
-naming the failed version, and stays poisoned, across reconnections too, until a refit commits
-on every rank. ``llm.collective_rpc(transfer_state)``
-(:func:`reshard.integrations.vllm.inspect.transfer_state`) reads every worker's state, and so does
-``collective_rpc("reshard_transfer_state")`` on an engine started with the worker extension
+versions: the worker is *poisoned* (``state``, a :class:`~reshard.refit.states.DestinationState` as
+the session's destination side has), logs an error naming the failed version, and stays poisoned,
+across reconnections too, until a refit commits on every rank.
+``llm.collective_rpc(transfer_state)`` (:func:`reshard.integrations.vllm.inspect.transfer_state`)
+reads every worker's state, and so does ``collective_rpc("reshard_transfer_state")`` on an engine
+started with the worker extension
 :class:`~reshard.integrations.vllm.inspect.ReshardWorkerExtension` (an HTTP server's
-``/collective_rpc`` route included). A worker
-cannot stop its engine's scheduler: the trainer, which hears the same failure from its own
-session, gates the engine (:mod:`reshard.integrations.vllm.trainer`: paused, and an offline
-``LLM`` refuses requests) until a refit completes.
+``/collective_rpc`` route included). A worker cannot stop its engine's scheduler: the trainer,
+which hears the same failure from its own session, gates the engine
+(:mod:`reshard.integrations.vllm.trainer`: paused, and an offline ``LLM`` refuses requests) until a
+refit completes.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
 from vllm.logger import init_logger
 
 from ...execution.group import Group
-from ...refit.session import AUTO, DEFAULT_BUCKET_BYTES, POISONED, READY, UPDATING, RefitSession
+from ...refit.session import AUTO, DEFAULT_BUCKET_BYTES, RefitSession
+from ...refit.states import DestinationState
 from .broadcast import BROADCAST, receive_broadcast
 from .broadcast import DEFAULT_BUCKET_BYTES as BROADCAST_BUCKET_BYTES
 from .model import VLLMModelSide, redo_cpu_moe_packing
@@ -78,7 +80,8 @@ class ReshardWeightTransferInitInfo(WeightTransferInitInfo):
     timeout_s: float = 300.0
     comm_backend: str | None = None  # "gloo" or "nccl"; default: nccl when CUDA is available
     checksum: bool = False  # an xxh3-64 digest per message, checked on arrival (every rank must agree)
-    hybrid_patterns: list[str] | None = None  # "hybrid": regexes of the tensors it moves by reshard (None: FFN + experts)
+    # "hybrid": regular expressions of the tensors it moves by reshard (None: FFN and expert weights)
+    hybrid_patterns: list[str] | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.engine_index < len(self.rank_offsets):
@@ -111,7 +114,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardWeightTransferInit
         self.last_stats = None
         self.last_error: Exception | None = None
         self.rank: int | None = None  # this worker's rank in the refit group (set at init)
-        self.state = READY  # "ready", "updating" or "poisoned" (see module doc)
+        self.state = DestinationState.READY  # ready, updating or poisoned (see module doc)
         self.version: str | None = None  # the last version a refit committed here (None after a broadcast)
         self.failed_version: str | None = None  # while poisoned: the version whose refit failed
         self.error: str | None = None  # while poisoned: why
@@ -136,8 +139,8 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardWeightTransferInit
         side, failure = None, None
         try:
             side = VLLMModelSide.from_worker(self.model, self.vllm_config, rank, first)
-        except Exception as e:  # noqa: BLE001 - every rank of the session hears it
-            failure = f"{type(e).__name__}: {e}"
+        except Exception as error:  # noqa: BLE001 - every rank of the session hears it
+            failure = f"{type(error).__name__}: {error}"
         with self._last_worker_raises():
             self.session = self.sessions[init_info.method] = RefitSession.connect(
                 destination=side, store_addr=init_info.store_addr, rank=rank, world_size=init_info.world_size,
@@ -154,23 +157,33 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardWeightTransferInit
         tensors coming): full tensors through ``load_weights`` in vLLM's layerwise reload."""
         self.start_weight_update()
         if update_info.names is not None:
-            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+            self._receive_broadcast(update_info)
+        else:
+            self._receive_refit(update_info)
 
-            if self.broadcast is None:
-                raise RuntimeError("a broadcast update arrived, but no broadcast trainer is connected")
-            redo_cpu_moe_packing(self.model)
-            initialize_layerwise_reload(self.model)
-            self._reload_pending = True
-            before, self.state = self.state, UPDATING
-            with self._last_worker_raises():
-                group, bucket_bytes = self.broadcast
-                try:
-                    self.last_stats = receive_broadcast(self.model, group, update_info, bucket_bytes)
-                except Exception as e:
-                    self._failed("a broadcast update", None, e, poisoned=True)
-                    raise
-                self._committed(None, before)  # the version is vLLM's, recorded at finish
-            return
+    def _receive_broadcast(self, update_info: ReshardWeightTransferUpdateInfo) -> None:
+        """Every full tensor from trainer rank 0, through ``load_weights`` inside a layerwise reload
+        (finalized at ``finish_weight_update``)."""
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        if self.broadcast is None:
+            raise RuntimeError("a broadcast update arrived, but no broadcast trainer is connected")
+        redo_cpu_moe_packing(self.model)
+        initialize_layerwise_reload(self.model)
+        self._reload_pending = True
+        before, self.state = self.state, DestinationState.UPDATING
+        with self._last_worker_raises():
+            group, bucket_bytes = self.broadcast
+            try:
+                self.last_stats = receive_broadcast(self.model, group, update_info, bucket_bytes)
+            except Exception as error:
+                self._failed("a broadcast update", None, error, poisoned=True)
+                raise
+            self._committed(None, before)  # the version is vLLM's, recorded at finish
+
+    def _receive_refit(self, update_info: ReshardWeightTransferUpdateInfo) -> None:
+        """One refit by the session of the update's method; a failure is recorded, not raised (see
+        module doc)."""
         if update_info.method is not None:
             if update_info.method not in self.sessions:
                 raise RuntimeError(f"a refit by method {update_info.method!r} arrived, but this engine is connected "
@@ -178,38 +191,40 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardWeightTransferInit
             self.session = self.sessions[update_info.method]
         if self.session is None:
             raise RuntimeError("a refit arrived, but no reshard trainer is connected")
-        before, self.state = self.state, UPDATING
+        before, self.state = self.state, DestinationState.UPDATING
         try:
             self.last_stats = self.session.refit(update_info.version)
-        except Exception as e:  # noqa: BLE001 - every rank of the session raised it; see module doc
-            self.last_error = e
-            poisoned = before == POISONED or getattr(self.session, "state", POISONED) != READY
+        except Exception as error:  # noqa: BLE001 - every rank of the session raised it; see module doc
+            self.last_error = error
+            session_state = getattr(self.session, "state", DestinationState.POISONED)
+            poisoned = before == DestinationState.POISONED or session_state != DestinationState.READY
             if not poisoned:
                 self.state = before
-            self._failed(f"refit to version {update_info.version!r}", update_info.version, e, poisoned=poisoned)
+            self._failed(f"refit to version {update_info.version!r}", update_info.version, error, poisoned=poisoned)
             return
         self._committed(update_info.version, before)
 
-    def _committed(self, version: str | None, before: str) -> None:
-        if before == POISONED:
+    def _committed(self, version: str | None, before: DestinationState) -> None:
+        if before == DestinationState.POISONED:
             logger.info("reshard: rank %s is ready again at version %r (it was poisoned by the failed refit to "
                         "version %r)", self.rank, version, self.failed_version)
-        self.state, self.version, self.failed_version, self.error = READY, version, None, None
+        self.state, self.version, self.failed_version, self.error = DestinationState.READY, version, None, None
 
     def _failed(self, what: str, version: str | None, error: Exception, *, poisoned: bool) -> None:
         if not poisoned:
             logger.warning("reshard: rank %s: %s failed before any byte reached this worker (%s); it keeps version "
                            "%r", self.rank, what, error, self.version)
             return
-        self.state, self.failed_version, self.error = POISONED, version, f"{type(error).__name__}: {error}"
+        self.state, self.failed_version = DestinationState.POISONED, version
+        self.error = f"{type(error).__name__}: {error}"
         logger.error("reshard: rank %s is POISONED: %s failed (%s); its weights may mix versions and must not be "
                      "served until a refit completes (last complete version: %r)", self.rank, what, self.error,
                      self.version)
 
     def transfer_state(self) -> dict:
         """This worker's refit state (plain data; :func:`~reshard.integrations.vllm.inspect.transfer_state`
-        reads it through ``collective_rpc``)."""
-        return {"rank": self.rank, "state": self.state, "version": self.version,
+        reads it through ``collective_rpc``); the state as its plain name."""
+        return {"rank": self.rank, "state": self.state.value, "version": self.version,
                 "failed_version": self.failed_version, "error": self.error, "connected": bool(self.sessions)}
 
     def finish_weight_update(self) -> None:
@@ -226,8 +241,8 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardWeightTransferInit
 
         try:
             yield
-        except Exception as e:  # noqa: BLE001
-            self.last_error = e
+        except Exception as error:  # noqa: BLE001
+            self.last_error = error
             if get_tensor_model_parallel_rank() == get_tensor_model_parallel_world_size() - 1:
                 raise
 
@@ -242,7 +257,6 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardWeightTransferInit
             self.broadcast[0].close()
             self.broadcast = None
 
-
     def _close_session(self, method: str) -> None:
         old = self.sessions.pop(method, None)
         if old is None:
@@ -251,8 +265,8 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardWeightTransferInit
             self.session = None
         try:
             old.close()
-        except Exception as e:  # noqa: BLE001 - a broken session's group: the new connection goes on
-            logger.warning("reshard: rank %s: closing the previous %r session: %s", self.rank, method, e)
+        except Exception as error:  # noqa: BLE001 - a broken session's group: the new connection goes on
+            logger.warning("reshard: rank %s: closing the previous %r session: %s", self.rank, method, error)
 
 
 __all__ = ["ReshardWeightTransferEngine", "ReshardWeightTransferInitInfo",

@@ -22,45 +22,46 @@ import torch
 def engine_tensors(worker) -> dict[str, torch.Tensor]:
     """Every tensor the worker's model computes with: parameters, buffers, packed weights."""
     model = worker.model_runner.get_model()
-    out = {n: p.detach().clone() for n, p in model.named_parameters()}
-    out.update((f"buffer:{n}", b.detach().clone()) for n, b in model.named_buffers())
-    for mod_name, module in model.named_modules():
-        fn = getattr(module, "cpu_linear", None)
-        for i, cell in enumerate(getattr(fn, "__closure__", None) or ()):
+    tensors = {name: param.detach().clone() for name, param in model.named_parameters()}
+    tensors.update((f"buffer:{name}", buffer.detach().clone()) for name, buffer in model.named_buffers())
+    for module_name, module in model.named_modules():
+        linear = getattr(module, "cpu_linear", None)
+        for index, cell in enumerate(getattr(linear, "__closure__", None) or ()):
             try:
                 value = cell.cell_contents
             except ValueError:
                 continue
             if isinstance(value, torch.Tensor):
-                out[f"packed:{mod_name}:{i}"] = value.detach().clone()
-    return out
+                tensors[f"packed:{module_name}:{index}"] = value.detach().clone()
+    return tensors
 
 
 def engine_digest(worker) -> str:
     """A digest of :func:`engine_tensors` (names, shapes, dtypes and every byte)."""
-    h = hashlib.sha256()
-    for name, t in sorted(engine_tensors(worker).items()):
-        h.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
-        h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:16]
+    digest = hashlib.sha256()
+    for name, tensor in sorted(engine_tensors(worker).items()):
+        digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
+        digest.update(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def refit_stats(worker) -> dict | None:
     """The worker's last refit: bytes in place and reprocessed, bytes received, the plan's identity,
     resident memory."""
     engine = worker.weight_transfer_engine
-    s = getattr(engine, "last_stats", None)
+    stats = getattr(engine, "last_stats", None)
     session = getattr(engine, "session", None)
-    if s is None or not hasattr(s, "in_place_bytes"):
+    if stats is None or not hasattr(stats, "in_place_bytes"):
         return None
-    return {"in_place": s.in_place_bytes, "reprocessed": s.reprocessed_bytes, "recv": s.recv_bytes,
-            "seconds": s.seconds, "fingerprint": session.plan.fingerprint() if session else None,
+    return {"in_place": stats.in_place_bytes, "reprocessed": stats.reprocessed_bytes, "recv": stats.recv_bytes,
+            "seconds": stats.seconds, "fingerprint": session.plan.fingerprint() if session else None,
             "plan_id": id(session.plan) if session else None, "rss_mb": memory()["rss_mb"]}
 
 
 def transfer_state(worker) -> dict | None:
     """The worker's refit state (``None`` without the ``reshard`` backend): its refit rank, ``state``
-    (``"ready"``, ``"updating"`` or ``"poisoned"``), ``version`` (the last one a refit committed there),
+    (a :class:`~reshard.refit.states.DestinationState` by its plain name: ``"ready"``, ``"updating"``
+    or ``"poisoned"``), ``version`` (the last one a refit committed there),
     and while poisoned ``failed_version`` and ``error``; ``connected`` (a trainer session is open)."""
     engine = getattr(worker, "weight_transfer_engine", None)
     describe = getattr(engine, "transfer_state", None)
@@ -81,11 +82,11 @@ def memory(reset_peak: bool = False) -> dict[str, float]:
     """This process's resident memory and its peak since the last reset (Linux), in MiB; with
     ``reset_peak`` the peak starts again from now."""
     if reset_peak:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
     fields = {}
-    with open("/proc/self/status") as f:
-        for line in f:
+    with open("/proc/self/status") as status:
+        for line in status:
             key, _, value = line.partition(":")
             if key in ("VmRSS", "VmHWM"):
                 fields[key] = int(value.split()[0]) / 1024

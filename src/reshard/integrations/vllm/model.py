@@ -123,20 +123,20 @@ class VLLMModelSide(Side):
             raise LayoutError("the reshard backend lays out tensor-parallel engines (run several engines for data "
                               "parallelism); this one has pipeline_parallel_size="
                               f"{parallel.pipeline_parallel_size}, data_parallel_size={parallel.data_parallel_size}")
-        tp = parallel.tensor_parallel_size
+        tp_size = parallel.tensor_parallel_size
         if rank != first_rank + get_tensor_model_parallel_rank():
             raise LayoutError(f"rank {rank}: expected TP rank {rank - first_rank} of the engine, vLLM says "
                               f"{get_tensor_model_parallel_rank()}")
         arch = from_hf_config(model_config.hf_config.to_dict()).with_overrides(dtype=model_config.dtype)
-        layout = vllm_layout(arch, range(first_rank, first_rank + tp), tp, 1, dtype=model_config.dtype,
+        layout = vllm_layout(arch, range(first_rank, first_rank + tp_size), tp_size, 1, dtype=model_config.dtype,
                              expert_parallel=bool(parallel.enable_expert_parallel)).subset([rank])
         quantized = getattr(model_config, "quantization", None) is not None
         return cls(rank, layout, model, model_config, cpu=current_platform.is_cpu(), quantized=quantized)
 
     # ------------------------------------------------------------------ one refit
     def begin_write(self) -> dict[str, torch.Tensor]:
-        self._staging = {n: torch.empty(shape, dtype=dtype, device=self.device)
-                         for n, (shape, dtype) in self.staged_specs.items()}
+        self._staging = {name: torch.empty(shape, dtype=dtype, device=self.device)
+                         for name, (shape, dtype) in self.staged_specs.items()}
         return {**self.tensors, **self._staging}
 
     def abort_write(self) -> None:
@@ -146,27 +146,27 @@ class VLLMModelSide(Side):
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
         from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
-        staged = sum(t.numel() * t.element_size() for t in self._staging.values())
+        staged = sum(tensor.numel() * tensor.element_size() for tensor in self._staging.values())
         modules = dict(self.model.named_modules())
         for mod_name, pnames in self.layers.items():
             layer = modules[mod_name]
             loaded = get_layerwise_info(layer).restore_metadata[0]
             # vLLM's parameter classes keep their loader behind a property (in ``_weight_loader``):
             # put each recorded parameter's attributes back exactly as they were
-            saved = {p: dict(loaded[p].__dict__) for p in pnames}
-            for p in pnames:
-                loaded[p].weight_loader = _copy_staged
+            saved = {pname: dict(loaded[pname].__dict__) for pname in pnames}
+            for pname in pnames:
+                loaded[pname].weight_loader = _copy_staged
             redo_cpu_moe_packing(layer)
             try:
                 initialize_layerwise_reload(layer)
-                for p in pnames:
-                    param = getattr(layer, p)
-                    param.weight_loader(param, self._staging.pop(f"{mod_name}.{p}"))
+                for pname in pnames:
+                    param = getattr(layer, pname)
+                    param.weight_loader(param, self._staging.pop(f"{mod_name}.{pname}"))
                 finalize_layerwise_reload(layer, self.model_config)
             finally:
-                for p, attributes in saved.items():
-                    loaded[p].__dict__.clear()
-                    loaded[p].__dict__.update(attributes)
+                for pname, attributes in saved.items():
+                    loaded[pname].__dict__.clear()
+                    loaded[pname].__dict__.update(attributes)
         self._staging = {}
         in_place = self.layout_bytes(self.tensors)
         return WriteReport(in_place_bytes=in_place, reprocessed_bytes=self.layout_bytes(self.staged_specs),
