@@ -442,15 +442,16 @@ def _session_fp8(rank, world, store_addr, src, dst, full):
 
 
 @pytest.mark.parametrize("options, match", [
-    (dict(method="hybrid", precision="fp8"), "precision is an option of the reshard and hierarchical methods"),
-    (dict(method="gather-broadcast", precision="fp8"), "not method='gather-broadcast'"),
+    (dict(method="hybrid", precision="fp8"), "method 'hybrid' does not take option 'precision'"),
+    (dict(method="gather-broadcast", precision="fp8"), "method 'gather-broadcast' does not take option 'precision'"),
     (dict(precision="fp4"), "unknown precision 'fp4'"),
     (dict(precision=3), "dtype policy 3"),
 ])
 def test_session_precision_options_are_checked_before_connecting(options, match):
-    from reshard.refit.session import RefitError, RefitSession
+    from reshard.errors import OptionsError
+    from reshard.refit.session import RefitSession
 
-    with pytest.raises(RefitError, match=match):  # no store at port 1: it fails before any connection
+    with pytest.raises(OptionsError, match=match):  # no store at port 1: it fails before any connection
         RefitSession.connect(store_addr="127.0.0.1:1", rank=0, world_size=2, **options)
 
 

@@ -112,7 +112,7 @@ def test_bad_rules_and_options_are_named():
         method_plan(HYBRID, src, dst, rule="experts")
     with pytest.raises(OptionsError, match="method 'reshard' does not take option 'hybrid_rule'"):
         method_plan(RESHARD, src, dst, rule=HybridRule())
-    with pytest.raises(ValueError, match="runs a HybridPlan"):
+    with pytest.raises(TypeError, match="runs a HybridPlan"):
         method_executor(HYBRID, rs.plan(src, dst))
     other = rs.Layout.from_placements(rs.TensorSpec("x", (2,), torch.float32), [0], (1,), [rs.Replicate()])
     with pytest.raises(LayoutError, match="unknown tensor 'model.layers.0.mlp.up_proj.weight'"):

@@ -186,10 +186,13 @@ class GatherBroadcastExecutor(Executor):
         return RunStats.of_phases(self.rank, phases)
 
     def fail(self, error: RefitError) -> RefitError:
-        """Break the broadcast group (its members may wait in a broadcast) and the group; every rank hears."""
+        """Break the group, then the broadcast group (its members may wait in a broadcast); every rank
+        hears. The group's abort signal goes first: a peer whose broadcast breaks reads this error from
+        it, instead of racing it with an error of its own."""
+        first = self.group.fail(error)
         if self.bcast_group is not None:
-            self.bcast_group.fail(error)
-        return self.group.fail(error)
+            self.bcast_group.fail(first)
+        return first
 
     def move(self, src_buffers: Buffers, dst_buffers: Buffers) -> list[PhaseStats]:
         """The gather and broadcast of every tensor, with no check, agreement or decision (the part of

@@ -168,10 +168,9 @@ class HybridExecutor(Executor):
         return RunStats.of_phases(self.rank, phases)
 
     def _fail(self, error: RefitError) -> RefitError:
-        """Break the broadcast subgroup (its members may wait in a broadcast) and the group; every rank hears."""
-        bcast = self.broadcaster.bcast_group if self.broadcaster is not None else None
-        if bcast is not None:
-            bcast.fail(error)
+        """Break the group and the broadcast subgroup: :meth:`GatherBroadcastExecutor.fail`."""
+        if self.broadcaster is not None:
+            return self.broadcaster.fail(error)
         return self.group.fail(error)
 
     def close(self) -> None:

@@ -107,21 +107,18 @@ class PrecisionExecutor(Executor):
     reshard executor's (``allow_lossy`` covers casts of kept and cast tensors; quantization saturates
     by its rule and is never refused)."""
 
+    name = "precision"
+
     def __init__(self, plan: PrecisionPlan, group: Group | dist.ProcessGroup | None = None, *,
                  timeout: timedelta = DEFAULT_TIMEOUT, overlap: bool = True, checksum: bool = False,
                  allow_lossy: bool = False) -> None:
         if not isinstance(plan, PrecisionPlan):
             raise TypeError(f"PrecisionExecutor runs a PrecisionPlan (precision_plan(...)), got {type(plan).__name__}")
-        self.plan = plan
-        self.group = Group.of(group)
-        self.timeout = timeout
-        self.checksum, self.allow_lossy = checksum, allow_lossy
-        self.rank = self.group.rank
-        self.touched = False
         self._step: str | None = None
+        super().__init__(plan, group, timeout=timeout, checksum=checksum, allow_lossy=allow_lossy)
         self.wire = ReshardExecutor(plan.wire, self.group, timeout=timeout, overlap=overlap, checksum=checksum,
                                     allow_lossy=allow_lossy)
-        self.setup_error = self.wire.setup_error
+        self.setup_error = self.setup_error or self.wire.setup_error
         parts = self.wire.parts
         tasks = (RankQuantization() if self.setup_error
                  else plan.quantization(self.rank, parts[0] if parts else None))
@@ -130,13 +127,16 @@ class PrecisionExecutor(Executor):
     @property
     def options(self) -> dict:
         """What every rank must agree on besides the plan."""
-        return {"executor": "precision", "policy": self.plan.policy.key, "checksum": self.checksum,
-                "allow_lossy": self.allow_lossy}
+        return {**super().options, "policy": self.plan.policy.key}
 
     @property
     def where(self) -> str:
         """The step a run is in (for errors)."""
         return self._step if self._step is not None else self.wire.where
+
+    @where.setter
+    def where(self, value: str) -> None:
+        self._step = value
 
     def staging_bytes(self) -> int:
         """Bytes this rank allocates: the wire's staging plus the quantization's."""
@@ -189,7 +189,7 @@ class PrecisionExecutor(Executor):
         dst_stage = staging(self.plan, self.rank, "destination", device)
         merged_src, merged_dst = {**src_buffers, **src_stage}, {**dst_buffers, **dst_stage}
         error = self.check(src_buffers, dst_buffers, merged_src, merged_dst)
-        agree_before_moving(self.group, self.plan.fingerprint(), error, self.options)
+        agree_before_moving(self.group, self.plan.fingerprint(), error, self.options, self.timeout)
         failure, phases = None, []
         try:
             with torch.inference_mode():  # writes autograd leaves and inference tensors in place
