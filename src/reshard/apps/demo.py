@@ -78,11 +78,12 @@ class DemoConfig:
         return None if self.hybrid_patterns is None else HybridRule(patterns=tuple(self.hybrid_patterns))
 
     def refit_options(self, method: str, domains: dict[int, int] | None) -> RefitOptions:
-        """The options of ``method``'s refit in this demo: its staging cap, and the domains and rule
-        where the method takes them."""
+        """The options of ``method``'s refit in this demo: its staging cap, the pretend domains where the
+        method needs them (the hierarchical one; the hybrid's reshard part stays direct), the rule where
+        it takes one."""
         entry = REGISTRY[method]
         return RefitOptions(method=method, max_bucket_bytes=self.max_bucket_bytes,
-                            domains=domains if entry.accepts("domains") else None,
+                            domains=domains if "domains" in entry.needs else None,
                             hybrid_rule=self.hybrid_rule if entry.accepts("hybrid_rule") else None)
 
     @property
