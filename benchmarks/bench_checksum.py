@@ -15,7 +15,6 @@ repeat, then median. Every destination byte is verified after every run. All fig
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -26,11 +25,9 @@ from rich.table import Table
 
 import reshard as rs
 from reshard import verify
+from reshard.apps.bench_support import parse_configs, print_header, spawn_for_json
 from reshard.frameworks.parallel import model_layouts
 from reshard.models import DEMO_MODEL, get_arch
-
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_refit import parse_configs, print_header, spawn_for_json  # noqa: E402
 
 MiB = 1 << 20
 

@@ -8,8 +8,9 @@ Each scenario is a refit between random small layouts over a standalone gloo gro
 ``kill``, ``stall``, ``raise`` or ``corrupt`` fault at a random rank and point (connect,
 agreement, a round, commit, or the recovery after another failure; with ``--precision fp8`` the
 engines are FP8 and the quantization steps are fault points too); see
-:mod:`reshard.apps.fault_suite`. It prints the counts an on-call engineer asks about first:
-hangs, silent corruptions, torn models served or reported as committed (all three should be 0),
+:mod:`reshard.apps.fault_suite` (its scenarios, outcomes and figures are the model both fault
+suites share: :mod:`reshard.apps.fault_scenarios`). It prints the counts an on-call engineer
+asks about first: hangs, silent corruptions, torn models served or reported as committed (all three should be 0),
 time to detection and to recovery (measured, wall clock; a stall is detected by the timeout,
 so its detection time is about ``--timeout``), and what each scenario came to.
 """
@@ -18,40 +19,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import sys
 import time
 
 from rich.console import Console
 from rich.progress import Progress
-from rich.table import Table
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
-
-from reshard.apps.fault_suite import Driver, random_scenario, summary  # noqa: E402
-
-
-def print_figures(console: Console, figures: dict, title: str) -> None:
-    """The suite's figures (:func:`~reshard.apps.fault_suite.summary`) and its outcomes, as two tables."""
-    table = Table(title=title)
-    table.add_column("figure")
-    table.add_column("value", justify="right")
-    for key, value in figures.items():
-        if key == "outcomes":
-            continue
-        if isinstance(value, tuple):
-            value = " / ".join(f"{v:.3f}" for v in value)
-        elif isinstance(value, float):
-            value = f"{value:.3f}"
-        table.add_row(key, str(value))
-    console.print(table)
-    results = Table(title="what the scenarios came to")
-    results.add_column("outcome")
-    results.add_column("scenarios", justify="right")
-    for key, n in figures["outcomes"].items():
-        results.add_row(key, str(n))
-    console.print(results)
+from reshard.apps.fault_scenarios import print_figures
+from reshard.apps.fault_suite import Driver, random_scenario, summary
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,11 +64,7 @@ def main(argv: list[str] | None = None) -> int:
                                     f"{time.time() - start:.0f} s wall (measured)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"summary": figures, "scenarios": [
-                {"scenario": o.scenario.describe(), "result": o.result, "fired": o.fired, "hung": o.hung,
-                 "silent": o.silent, "torn": o.torn, "detection_s": o.detection_s, "recovery_s": o.recovery_s,
-                 "events": {r["rank"]: r["events"] for r in o.reports}}
-                for o in outcomes]}, f, indent=1)
+            json.dump({"summary": figures, "scenarios": [o.record() for o in outcomes]}, f, indent=1)
     bad = figures["hangs"] + figures["silent corruptions"] + figures["torn models served or committed"]
     return 1 if bad else 0
 

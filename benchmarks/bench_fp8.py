@@ -25,7 +25,6 @@ against the test values, FP8 values and scales bit for bit against the reference
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -37,15 +36,13 @@ from rich.table import Table
 
 import reshard as rs
 from reshard import verify
+from reshard.apps.bench_support import parse_configs, print_header, spawn_for_json
 from reshard.execution.precision import DESTINATION_STEP, SOURCE_STEP, PrecisionExecutor
 from reshard.frameworks.parallel import model_layouts
 from reshard.models import DEMO_MODEL, get_arch
 from reshard.planning.precision import precision_plan
 from reshard.quant import quantize_blocks, scale_name
 from reshard.tensors import box_slices, box_str, buffer_view
-
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_refit import parse_configs, print_header, spawn_for_json  # noqa: E402
 
 MiB = 1 << 20
 KINDS = ("bf16", "fp8")

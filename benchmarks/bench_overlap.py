@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -34,11 +33,9 @@ from rich.table import Table
 
 import reshard as rs
 from reshard import verify
+from reshard.apps.bench_support import print_header, spawn_for_json
 from reshard.frameworks.parallel import InferParallel, TrainParallel, model_layouts
 from reshard.models import DEMO_MODEL, get_arch
-
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_refit import print_header, spawn_for_json
 
 MiB = 1 << 20
 VARIANTS = ("sequential B", "overlap B", "overlap B/2")

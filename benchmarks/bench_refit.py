@@ -24,12 +24,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import os
-import platform
-import shlex
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -38,9 +33,10 @@ from rich.console import Console
 from rich.table import Table
 
 import reshard as rs
+from reshard.apps.bench_support import parse_configs, print_header, spawn_for_json  # noqa: F401 (bench_cost: from here)
 from reshard.apps.demo import DemoConfig, failures, run_demo
 from reshard.execution.methods import GATHER_BROADCAST, RESHARD
-from reshard.frameworks.parallel import InferParallel, TrainParallel, model_layouts
+from reshard.frameworks.parallel import model_layouts
 from reshard.models import DEMO_MODEL, get_arch
 
 MiB = 1 << 20
@@ -49,40 +45,6 @@ DEFAULT_CONFIGS = "2-2:2x1,4-4:4x1,4-4:2x2,2-4:4x1,4-2:2x1"
 PLANNER_CASES = [  # (M, tp, dp, layers)
     (4, 2, 2, 28), (64, 8, 8, 28), (128, 8, 16, 28), (128, 8, 16, 280),
 ]
-
-
-def spawn_for_json(fn, world_size: int, *args, backend: str | None = "gloo"):
-    """Run ``fn(rank, world_size, path, *args)`` in ``world_size`` processes; return what rank 0
-    wrote to ``path`` as JSON (the file is removed)."""
-    fd, path = tempfile.mkstemp(prefix="reshard-bench-", suffix=".json")
-    os.close(fd)
-    try:
-        rs.spawn(fn, world_size, path, *args, backend=backend)
-        with open(path) as f:
-            return json.load(f)
-    finally:
-        os.unlink(path)
-
-
-def print_header(console, script: str, argv: list[str] | None) -> None:
-    """The command line and the machine, first lines of every benchmark's output."""
-    cmd = " ".join(["python", script] + [shlex.quote(a) for a in (argv or sys.argv[1:])])
-    console.print(f"$ {cmd}")
-    console.print(f"machine: {os.cpu_count()} CPUs, {platform.machine()}, python {platform.python_version()}, "
-                  f"torch {torch.__version__}, gloo over loopback")
-
-
-def parse_configs(text: str) -> list[tuple[TrainParallel, InferParallel]]:
-    """``"4-4:2x2"`` = FSDP2 over 4 sources -> 4 destinations as 2 torch tensor-parallel replicas of tp=2."""
-    out = []
-    for item in text.split(","):
-        pair, grid = item.split(":")
-        m, n = (int(x) for x in pair.split("-"))
-        tp, dp = (int(x) for x in grid.split("x"))
-        if tp * dp != n:
-            raise SystemExit(f"config {item!r}: tp x dp = {tp * dp} != N = {n}")
-        out.append((TrainParallel("fsdp", dp=m), InferParallel("dtensor", tp=tp, dp=dp)))
-    return out
 
 
 # ------------------------------------------------------------------ minimum wire bytes

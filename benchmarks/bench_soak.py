@@ -51,14 +51,12 @@ from rich.table import Table
 
 import reshard as rs
 from reshard import verify
+from reshard.apps.bench_support import parse_configs, print_header, spawn_for_json
 from reshard.execution.group import Group
 from reshard.execution.process_group import free_port
 from reshard.frameworks.parallel import model_layouts
 from reshard.models import DEMO_MODEL, get_arch
 from reshard.refit import RefitSession, Side
-
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_refit import parse_configs, print_header, spawn_for_json
 
 MiB = 1 << 20
 MODES = ("session", "reshard fresh", "g&b fresh", "g&b fresh, standalone")

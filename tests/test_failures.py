@@ -226,3 +226,29 @@ def test_an_engine_joins_catches_up_from_an_engine_and_another_leaves():
     assert got[2][0] == [("joined", 2, "empty"), ("caught up", 1, True), ("refit", 2, True), ("after leave", 2, True)]
     assert got[1][0] == [("resized", 3), ("refit", 2, True)]
     assert got[0][0] == [("resized", 3), ("after leave", 2)]
+
+
+# ---------------------------------------------------------------------------- one model for both suites
+def test_both_fault_suites_draw_and_count_one_scenario_model():
+    """The gloo suite and the vLLM suite (its draws and figures need no vLLM) share Scenario, Outcome
+    and the summary's figures."""
+    import random
+
+    from reshard.apps import fault_suite, fault_suite_vllm
+    from reshard.apps.fault_scenarios import Outcome, Scenario, summary
+
+    gloo = fault_suite.random_scenario(0, random.Random(3))
+    engine = fault_suite_vllm.random_scenario(1, random.Random(3), 2, 3, {0: [0], 1: [1]}, engine_kill=True)
+    assert type(gloo) is type(engine) is Scenario
+    assert (engine.sources, engine.destinations, engine.kind, fault_suite_vllm.side_of(engine)) == (2, 2, "kill",
+                                                                                                   "engine")
+    outcomes = [Outcome(gloo, fired=True, result="recovered", detection_s=1.0, recovery_s=2.0),
+                Outcome(engine, fired=True, result="recovered (new engine)", detection_s=3.0, recovery_s=40.0,
+                        engine_restart=True, named=True),
+                Outcome(engine, result="hang", hung=[1])]
+    shared = summary(outcomes)
+    figures = fault_suite_vllm.engine_summary(outcomes, leaked=0)
+    assert set(shared) <= set(figures) and list(figures)[-1] == "outcomes"
+    assert (shared["hangs"], shared["faults fired"], shared["recovery p50 s"]) == (1, 2, 2.0)  # restarts apart
+    assert figures["engine kills: RefitError named the killed rank"] == 1
+    assert fault_suite_vllm.needs_a_look(outcomes[2]) and not fault_suite_vllm.needs_a_look(outcomes[0])

@@ -9,15 +9,17 @@ blocks, tensor ``t2`` kept): blocks quantized on the senders or, where a source 
 block, on the destinations; its faults may also strike either quantization step, and its bytes
 and scales are checked against the reference quantizer. Every rank:
 
-    1. connects with its destination at version 0, refits to version 1
+    1. connects with its destination holding version 0 (the session's version: None), refits to version 1
     2. on RefitError: checks that its destination is poisoned or still holds version 0 exactly,
        then recovers (new group without the ranks that did not come back) and refits to version 2
     3. checks every committed destination against the expected values, byte for byte
 
-The driver runs the ranks as persistent worker processes (a killed one is replaced), bounds each
-scenario, and counts: hangs (a live rank that never reported), silent corruptions (a committed
-destination whose bytes are wrong), torn models reported as committed, time to detection
-(fault -> the last live rank raising), time to recover (detection -> the next refit committed).
+The driver runs the ranks as persistent worker processes (a killed one is replaced; no scenario
+starts before every worker says it is ready), bounds each scenario, and judges it into an
+:class:`~reshard.apps.fault_scenarios.Outcome` (the model the vLLM suite shares): hangs (a live
+rank that never reported), silent corruptions (a committed destination whose bytes are wrong),
+torn models reported as committed, time to detection (fault -> the last live rank raising), time
+to recover (detection -> the next refit committed).
 
     python benchmarks/bench_faults.py --scenarios 200
 """
@@ -30,7 +32,6 @@ import queue
 import random
 import time
 import traceback
-from dataclasses import dataclass, field
 from datetime import timedelta
 
 import numpy as np
@@ -44,41 +45,15 @@ from ..layout import Layout
 from ..placements import Replicate, Shard
 from ..planning.precision import KEEP, DtypePolicy, FP8Block, precision_layout
 from ..quant import FP8_DTYPE, SCALE_SUFFIX, quantize_blocks
-from ..refit.session import POISONED, READY, RefitSession
+from ..refit.session import RefitSession
 from ..refit.sides import Side
+from ..refit.states import DestinationState
 from ..tensors import TensorSpec, box_slices, buffer_view
+from .fault_scenarios import KINDS, Outcome, Scenario, summary
 
 POINTS = ("connect", "agreement", "round", "commit", "recovery")
 FP8_POINTS = POINTS + ("quantize at source", "quantize at destination")
 FP8_BLOCK = (4, 4)
-KINDS = faults.KINDS
-
-
-@dataclass(frozen=True)
-class Scenario:
-    """One refit with one fault (``fault`` like ``"kill@transfer round 1"``, at ``fault_rank``)."""
-
-    index: int
-    seed: int
-    sources: int
-    destinations: int
-    fault: str | None
-    fault_rank: int
-    checksum: bool
-    timeout_s: float
-    bucket_bytes: int
-    first_fault_rank: int | None = None  # a "recovery" scenario: this rank raises first, to start a recovery
-    precision: bool = False  # into FP8 engines (see module doc)
-
-    @property
-    def world(self) -> int:
-        return self.sources + self.destinations
-
-    def describe(self) -> str:
-        first = f" after raise@transfer round 0 on rank {self.first_fault_rank}" if self.first_fault_rank is not None \
-            else ""
-        return (f"#{self.index} {self.sources}->{self.destinations} {self.fault or 'no fault'} on rank "
-                f"{self.fault_rank}{first}{' checksum' if self.checksum else ''}{' fp8' if self.precision else ''}")
 
 
 def random_scenario(index: int, rng: random.Random, timeout_s: float = 2.0, precision: bool = False) -> Scenario:
@@ -197,7 +172,7 @@ def run_rank(s: Scenario, rank: int, store_addr: str) -> dict:
     try:
         session = RefitSession.connect(source=source, destination=destination, store_addr=store_addr, rank=rank,
                                        world_size=s.world, timeout=timeout, host_store=False, method="reshard",
-                                       checksum=s.checksum, max_bucket_bytes=s.bucket_bytes, version=0,
+                                       checksum=s.checksum, max_bucket_bytes=s.bucket_bytes,
                                        member=f"rank{rank}", precision=fp8_policy() if s.precision else None)
         session.refit(1)
         out["events"].append(("committed", 1, time.time()))
@@ -206,8 +181,9 @@ def run_rank(s: Scenario, rank: int, store_addr: str) -> dict:
     except RefitError as e:
         out["events"].append(("error", e.phase, list(e.ranks), str(e)[:300], time.time()))
         if destination is not None and session is not None:
-            state_ok = session.state == POISONED or (
-                session.state == READY and holds_version(held, rank, dst_buffers, session.version or 0))
+            state = session.state
+            state_ok = state == DestinationState.POISONED or (
+                state == DestinationState.READY and holds_version(held, rank, dst_buffers, session.version or 0))
             if not state_ok:
                 out["torn"] += 1
     if session is None:
@@ -259,19 +235,6 @@ def _worker(slot: int, tasks, results) -> None:
                       "fault_fired": False, "silent": 0, "torn": 0}
         results.put({**report, "run": run_id})
         faults.arm(None)
-
-
-@dataclass
-class Outcome:
-    scenario: Scenario
-    fired: bool
-    hung: list[int] = field(default_factory=list)
-    silent: int = 0
-    torn: int = 0
-    detection_s: float | None = None
-    recovery_s: float | None = None
-    result: str = ""
-    reports: list[dict] = field(default_factory=list)
 
 
 class Driver:
@@ -328,7 +291,7 @@ class Driver:
             self.pool[rank][1].put((self.runs, s, rank, f"127.0.0.1:{port}"))
         deadline = time.time() + 12 * s.timeout_s + 30
         reports: dict[int, dict] = {}
-        lost = {s.fault_rank} if s.fault and s.fault.split("@")[0] in ("kill", "stall") else set()
+        lost = {s.fault_rank} if s.kind in ("kill", "stall") else set()
         while len(reports) < s.world and time.time() < deadline:
             missing = [r for r in range(s.world) if r not in reports]
             if all(r in lost for r in missing) and self._fault_fired(store, s):
@@ -367,6 +330,7 @@ class Driver:
             t0 = min(float(store.get(f"fault/{r}").decode()) for r in fired_ranks)
             o.detection_s = max(e[-1] for e in errors) - t0
         o.result = _classify(s, reports)
+        o.undetected = fired and s.kind == "corrupt" and o.result == "committed"
         if o.result == "recovered":
             rec = [e[-1] for r in reports.values() for e in r["events"] if e[0] == "recovered"]
             o.recovery_s = max(rec) - max(e[-1] for e in errors)
@@ -411,28 +375,5 @@ def _classify(s: Scenario, reports: dict[int, dict]) -> str:
     return "recovery failed"
 
 
-def summary(outcomes: list[Outcome]) -> dict:
-    """The figures the suite prints."""
-    det = [o.detection_s for o in outcomes if o.detection_s is not None]
-    rec = [o.recovery_s for o in outcomes if o.recovery_s is not None]
-
-    def pct(xs, q):
-        return float(np.percentile(xs, q)) if xs else float("nan")
-
-    out = {"scenarios": len(outcomes), "faults fired": sum(o.fired for o in outcomes),
-           "hangs": sum(bool(o.hung) for o in outcomes), "silent corruptions": sum(o.silent for o in outcomes),
-           "torn models served or committed": sum(o.torn for o in outcomes),
-           "detection p50 s": pct(det, 50), "detection p95 s": pct(det, 95),
-           "recovery p50 s": pct(rec, 50), "recovery p95 s": pct(rec, 95)}
-    for kind in KINDS:
-        d = [o.detection_s for o in outcomes if o.detection_s is not None and o.scenario.fault.startswith(kind)]
-        out[f"detection p50/p95 s, {kind}"] = (pct(d, 50), pct(d, 95))
-    results: dict[str, int] = {}
-    for o in outcomes:
-        results[o.result] = results.get(o.result, 0) + 1
-    out["outcomes"] = dict(sorted(results.items(), key=lambda kv: -kv[1]))
-    return out
-
-
-__all__ = ["Driver", "Outcome", "Scenario", "engine_layout", "fp8_policy", "random_scenario", "run_rank",
-           "scenario_layouts", "summary"]
+__all__ = ["READY_TIMEOUT_S", "Driver", "Outcome", "Scenario", "WorkerNotReady", "engine_layout", "fp8_policy",
+           "holds_version", "random_scenario", "rank_buffers", "run_rank", "scenario_layouts", "summary"]
