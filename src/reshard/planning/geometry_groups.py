@@ -1,0 +1,153 @@
+"""Tensors that plan alike, grouped: the planner's unit of work.
+
+Tensors sharing a geometry (same shape, same boxes on the same ranks: every layer's
+``q_proj``) are one :class:`GeometryGroup`, intersected once and stamped out for each
+of its tensors (its *instances*). Geometries that differ only in which ranks hold the
+source (the expert-parallel groups of every pipeline stage) share one intersection too
+(:func:`items_key`). Planning cost thus grows with the number of distinct geometries,
+not with the number of pieces.
+
+A group's remote items with one candidate replica have their source fixed here; those
+with several are chosen per instance later, by :func:`reshard.planning.sources.choose_sources`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from ..layout import Layout, PieceTable
+from .intersect import FANOUT, REMOTE, TensorItems, tensor_items
+
+
+@dataclass(eq=False)
+class GeometryGroup:
+    """Tensors sharing one geometry (instances) and their copies (items).
+
+    ``piece``/``rank`` give each item's source piece and rank (fan-out: the primary
+    destination piece); remote items with several candidate replicas are chosen per
+    instance, in ``choice_piece``/``choice_rank`` (columns ``choice_cols``).
+    """
+
+    items: TensorItems
+    tensors: list[str]
+    tensor_index: np.ndarray  # int64 [n_inst]: position in Plan.tensors
+    piece: np.ndarray  # int64 [n_items]
+    rank: np.ndarray  # int64 [n_items]
+    dst_rank: np.ndarray  # int64 [n_items]
+    nbytes: np.ndarray  # int64 [n_inst, n_items] (often a broadcast view)
+    choice_cols: np.ndarray  # int64 [m]
+    choice_piece: np.ndarray  # int64 [n_inst, m]
+    choice_rank: np.ndarray  # int64 [n_inst, m]
+
+    @cached_property
+    def total_bytes(self) -> np.ndarray:
+        """Bytes of each item summed over instances."""
+        return self.nbytes.sum(axis=0)
+
+    @cached_property
+    def choice_of(self) -> np.ndarray:
+        """Per item, its column among the choice columns (-1: its source is fixed)."""
+        out = np.full(len(self.items), -1, np.int64)
+        out[self.choice_cols] = np.arange(len(self.choice_cols))
+        return out
+
+    def source_of(self, instance: int, item: int) -> tuple[int, int]:
+        """(source piece, source rank) of item ``item`` of instance ``instance``."""
+        column = self.choice_of[item]
+        if column < 0:
+            return int(self.piece[item]), int(self.rank[item])
+        return int(self.choice_piece[instance, column]), int(self.choice_rank[instance, column])
+
+
+def items_key(src_table: PieceTable, dst_table: PieceTable) -> bytes:
+    """What :func:`~reshard.planning.intersect.tensor_items` depends on: the boxes of both sides, the
+    destination ranks, which source pieces share a rank, and where source ranks are also
+    destination ranks; not the source rank numbers themselves (expert-parallel groups of
+    every pipeline stage plan alike)."""
+    _, src_rank_ids = np.unique(src_table.ranks, return_inverse=True)
+    dst_ranks = np.unique(dst_table.ranks)
+    at = np.searchsorted(dst_ranks, src_table.ranks)
+    at = np.minimum(at, max(len(dst_ranks) - 1, 0))
+    is_destination = ((dst_ranks[at] == src_table.ranks) if len(dst_ranks)
+                      else np.zeros(len(src_table.ranks), bool))
+    local = np.where(is_destination, at, -1)
+    return b"|".join([np.array(src_table.offsets.shape, np.int64).tobytes(), src_table.offsets.tobytes(),
+                      src_table.sizes.tobytes(), src_rank_ids.astype(np.int64).tobytes(),
+                      local.astype(np.int64).tobytes(), dst_table.geometry_key()])
+
+
+def _by_geometry(source: Layout, destination: Layout, tensors: list[str]) -> list[list[str]]:
+    """``tensors`` split into lists of tensors sharing a geometry, in order of first appearance."""
+    keyed: dict[tuple, list[str]] = {}
+    interned: dict[bytes, int] = {}
+    by_identity: dict[tuple, tuple] = {}  # tables built from the same arrays (shared by the builders)
+    specs, src_tables, dst_tables = destination.specs, source.tables, destination.tables
+    for name in tensors:
+        src_table, dst_table = src_tables[name], dst_tables[name]
+        identity = (specs[name].shape, id(src_table.ranks), id(src_table.offsets), id(src_table.sizes),
+                    id(dst_table.ranks), id(dst_table.offsets), id(dst_table.sizes))
+        key = by_identity.get(identity)
+        if key is None:  # every table stays alive (and unchanged) while planning: ids are unique
+            key = by_identity[identity] = (identity[0],
+                                           interned.setdefault(src_table.geometry_key(), len(interned)),
+                                           interned.setdefault(dst_table.geometry_key(), len(interned)))
+        keyed.setdefault(key, []).append(name)
+    return list(keyed.values())
+
+
+def _itemsizes(destination: Layout, names: list[str], num_pieces: int) -> np.ndarray:
+    """Itemsize of every destination piece of each of ``names`` ``[1 or len(names), num_pieces]``
+    (one row, often a broadcast view, where all agree)."""
+    found = [destination.buffer_dtypes(name) for name in names]
+    uniform = [dtypes.itemsize for dtypes in found]
+    if None not in uniform:  # each tensor's pieces share one buffer itemsize (the common case)
+        column = np.array(uniform, np.int64)[:, None]
+        if (column == column[0]).all():
+            column = column[:1]
+        return np.broadcast_to(column, (len(column), num_pieces))
+    sizes = [dtypes.itemsizes for dtypes in found]
+    same = all(np.array_equal(sizes[0], other) for other in sizes[1:])
+    return sizes[0][None, :] if same else np.stack(sizes)
+
+
+def _make_group(items: TensorItems, names: list[str], tensor_index: np.ndarray, src_table: PieceTable,
+                dst_table: PieceTable, itemsizes: np.ndarray) -> GeometryGroup:
+    """The group of ``names`` (one geometry, its ``items``), with every source that needs no choice."""
+    volume = items.sizes.prod(axis=1) if len(items) else np.zeros(0, np.int64)
+    itemsizes = itemsizes[:, items.dst_piece]
+    num_instances = len(names)
+    # a remote copy with one candidate needs no choice
+    piece = np.where(items.kind == REMOTE, -1, items.source)
+    single = (items.kind == REMOTE) & (items.cand_count == 1)
+    piece[single] = items.candidates[items.cand_start[single]]
+    rank = dst_table.ranks[items.dst_piece].copy()  # fan-out: the destination rank itself
+    from_source = items.kind != FANOUT
+    rank[from_source] = src_table.ranks[piece[from_source]]
+    multi = np.flatnonzero((items.kind == REMOTE) & (items.cand_count > 1))
+    return GeometryGroup(
+        items, names, tensor_index, piece, rank, dst_table.ranks[items.dst_piece],
+        np.broadcast_to(itemsizes * volume[None, :], (num_instances, len(items))),
+        multi, np.zeros((num_instances, len(multi)), np.int64), np.zeros((num_instances, len(multi)), np.int64),
+    )
+
+
+def group_tensors(source: Layout, destination: Layout, tensors: list[str]) -> list[GeometryGroup]:
+    """One :class:`GeometryGroup` per geometry of ``tensors`` (each group's ``tensor_index`` is a
+    position in ``tensors``); sources with several candidates are left to choose."""
+    position = {name: i for i, name in enumerate(tensors)}
+    groups: list[GeometryGroup] = []
+    same_boxes: dict[bytes, TensorItems] = {}
+    for names in _by_geometry(source, destination, tensors):
+        first = names[0]
+        src_table, dst_table = source.tables[first], destination.tables[first]
+        key = items_key(src_table, dst_table)  # geometries that differ only in which ranks hold the source
+        items = same_boxes.get(key)
+        if items is None:
+            items = same_boxes[key] = tensor_items(first, src_table, dst_table)
+        tensor_index = np.array([position[name] for name in names], np.int64)
+        groups.append(_make_group(items, names, tensor_index, src_table, dst_table,
+                                  _itemsizes(destination, names, len(dst_table))))
+    return groups

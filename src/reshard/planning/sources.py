@@ -1,0 +1,193 @@
+"""Source choice: which replica sends each remote copy that several source ranks could send.
+
+Largest copies first, each goes to its least-loaded candidate rank (ties: lowest rank);
+the instances of a geometry (the tensors of one :class:`~reshard.planning.geometry_groups.GeometryGroup`)
+are dealt round-robin over the candidates in that order. Columns of one group with the
+same candidates and bytes are dealt as one run where the order cannot change within it.
+
+With ``domains`` (an array rank -> NVLink domain), candidates in the destination's own
+domain come first (those bytes never leave it), and the load balanced among the others
+is what each rank sends out of its domain (its NIC egress; see
+:mod:`reshard.planning.hierarchy`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+
+import numpy as np
+
+from ..layout import Layout
+from .geometry_groups import GeometryGroup
+from .intersect import REMOTE
+
+Work = tuple[int, int, int]  # (-bytes of the column over all instances, group index, choice column)
+
+
+def choose_sources(groups: list[GeometryGroup], source: Layout, domains: np.ndarray | None) -> None:
+    """Fill every group's ``choice_piece``/``choice_rank`` (see module doc)."""
+    _SourceChooser(groups, source, domains).choose()
+
+
+def candidate_ranks(group: GeometryGroup, source: Layout) -> list[list[int]]:
+    """Per choice column of ``group``, the ranks of its candidate source pieces."""
+    items = group.items
+    ranks = source.tables[group.tensors[0]].ranks[items.candidates].tolist()
+    starts, counts = items.cand_start[group.choice_cols].tolist(), items.cand_count[group.choice_cols].tolist()
+    return [ranks[start: start + count] for start, count in zip(starts, counts)]
+
+
+def dealt_bytes(group: GeometryGroup, column: int, num_candidates: int) -> list[int]:
+    """Bytes each of ``num_candidates`` candidates gets when the instances of choice column
+    ``column`` are dealt round-robin (instance i to the ``i % num_candidates``-th candidate in order)."""
+    num_instances = len(group.tensors)
+    nbytes = group.nbytes[:, int(group.choice_cols[column])]
+    if nbytes.strides[0] == 0 or num_instances == 1:  # one size for every instance
+        each, rest = divmod(num_instances, num_candidates)
+        size = int(nbytes[0])
+        return [(each + (place < rest)) * size for place in range(num_candidates)]
+    return np.bincount(np.arange(num_instances) % num_candidates, weights=nbytes,
+                       minlength=num_candidates).astype(np.int64).tolist()
+
+
+def fill_choices(group: GeometryGroup, orders: list[list[int]], source: Layout) -> None:
+    """Write the chosen pieces and ranks: instance i of choice column c takes candidate
+    ``orders[c][i % len(orders[c])]``."""
+    items = group.items
+    num_instances = len(group.tensors)
+    starts = items.cand_start[group.choice_cols]
+    counts = np.array([len(order) for order in orders], np.int64)  # candidates dealt to (all, or the near ones)
+    for count in np.unique(counts).tolist():  # columns dealt over `count` candidates, all at once
+        cols = np.flatnonzero(counts == count)
+        order = np.array([orders[c] for c in cols.tolist()], np.int64).reshape(len(cols), count)
+        slot = order[:, np.arange(num_instances) % count]  # [cols, instances]
+        pieces = items.candidates[starts[cols][:, None] + slot]
+        group.choice_piece[:, cols] = pieces.T
+    group.choice_rank[:] = source.tables[group.tensors[0]].ranks[group.choice_piece]
+
+
+def _by_load(pool, ranks: list[int], load: list[int], count: int) -> list[int]:
+    """The ``count`` least-loaded candidates of ``pool`` (positions in ``ranks``), least first; ties: lowest rank."""
+    if len(pool) == 2:  # the common case (two replicas), without a sort
+        first, second = pool
+        if (load[ranks[first]], ranks[first]) <= (load[ranks[second]], ranks[second]):
+            return [first, second]
+        return [second, first]
+    return sorted(pool, key=lambda x: (load[ranks[x]], ranks[x]))[:count]
+
+
+class _SourceChooser:
+    """The state of one source choice: every source rank's load so far and each column's order."""
+
+    def __init__(self, groups: list[GeometryGroup], source: Layout, domains: np.ndarray | None) -> None:
+        self.groups = groups
+        self.source = source
+        self.domains = domains
+        self.domain_of = domains.tolist() if domains is not None else None
+        self.load: list[int] = []  # bytes each rank sends (with domains: out of the destination's domain)
+        self.near_load: list[int] = []  # bytes sent within the destination's domain
+        self.candidates: dict[int, list[list[int]]] = {}  # per group, per choice column: candidate ranks
+        self.homes: dict[int, list[int]] = {}  # per group, per choice column: the destination's domain
+        self.orders: dict[int, list[list[int]]] = {}  # per group, per choice column: candidates in dealing order
+
+    def choose(self) -> None:
+        work = self._work()
+        start = 0
+        while start < len(work):
+            start = self._deal_run(work, start)
+        for index, group in enumerate(self.groups):
+            if len(group.choice_cols):
+                fill_choices(group, self.orders[index], self.source)
+
+    def _work(self) -> list[Work]:
+        """Every choice column, largest first; sets each rank's load from the copies with one candidate."""
+        domains = self.domains
+        fixed_load = np.zeros(max(self.source.ranks, default=0) + 1, np.int64)
+        work: list[Work] = []
+        for index, group in enumerate(self.groups):
+            fixed = np.flatnonzero((group.items.kind == REMOTE) & (group.choice_of < 0))
+            if domains is not None:
+                fixed = fixed[domains[group.rank[fixed]] != domains[group.dst_rank[fixed]]]
+            fixed_load += np.bincount(group.rank[fixed], weights=group.total_bytes[fixed],
+                                      minlength=len(fixed_load)).astype(np.int64)
+            work.extend(zip((-group.total_bytes[group.choice_cols]).tolist(), itertools.repeat(index),
+                            range(len(group.choice_cols))))
+        work.sort()
+        self.load = fixed_load.tolist()  # plain ints: the dealing does a few list operations per copy
+        self.near_load = [0] * len(self.load)
+        return work
+
+    def _start_group(self, index: int) -> list[list[int]]:
+        """Candidate ranks of group ``index``'s choice columns (its state made on first use)."""
+        ranks = self.candidates.get(index)
+        if ranks is None:
+            group = self.groups[index]
+            ranks = self.candidates[index] = candidate_ranks(group, self.source)
+            if self.domain_of is not None:
+                self.homes[index] = self.domains[group.dst_rank[group.choice_cols]].tolist()
+            self.orders[index] = [[]] * len(group.choice_cols)
+        return ranks
+
+    def _pool(self, index: int, column: int, ranks: list[int]) -> tuple[range | list[int], list[int]]:
+        """The candidates (positions in ``ranks``) column ``column`` of group ``index`` is dealt over,
+        and the load they are balanced by: the near ones and the near load, where there are near ones."""
+        pool: range | list[int] = range(len(ranks))
+        if self.domain_of is not None:
+            domain_of, home = self.domain_of, self.homes[index][column]
+            near = [x for x in pool if domain_of[ranks[x]] == home]
+            if near:
+                return near, self.near_load
+        return pool, self.load
+
+    def _run_end(self, work: list[Work], start: int) -> int:
+        """End of the run from ``work[start]``: the next columns of its group with the same candidates,
+        bytes (and destination domain)."""
+        neg_bytes, index, column = work[start]
+        ranks = self.candidates[index]
+        homes = self.homes.get(index)
+        end = start + 1
+        while (end < len(work) and work[end][0] == neg_bytes and work[end][1] == index
+               and ranks[work[end][2]] == ranks[column]
+               and (self.domain_of is None or homes[work[end][2]] == homes[column])):
+            end += 1
+        return end
+
+    def _deal_run(self, work: list[Work], start: int) -> int:
+        """Deal the columns of the run from ``work[start]``; returns where the next run starts."""
+        _, index, column = work[start]
+        group = self.groups[index]
+        ranks = self._start_group(index)[column]
+        pool, load = self._pool(index, column, ranks)
+        num_instances = len(group.tensors)
+        end = self._run_end(work, start)
+        nbytes = group.nbytes[:, group.choice_cols[column]]
+        if len(pool) > num_instances and (nbytes.strides[0] == 0 or num_instances == 1):
+            self._deal_one_each(work[start:end], index, ranks, pool, load, int(nbytes[0]))
+            return end
+        order = _by_load(pool, ranks, load, num_instances)
+        dealt = dealt_bytes(group, column, len(order))
+        if not (len(order) == len(pool) and dealt.count(dealt[0]) == len(dealt)):
+            end = start + 1  # uneven gains change the order: one column at a time
+        # dealt evenly, every candidate gains alike, so the order stays for the whole run
+        for position, gain in zip(order, dealt):
+            load[ranks[position]] += gain * (end - start)
+        orders = self.orders[index]
+        for _, _, same in work[start:end]:
+            orders[same] = order
+        return end
+
+    def _deal_one_each(self, run: list[Work], index: int, ranks: list[int], pool, load: list[int],
+                       size: int) -> None:
+        """More replicas than tensors, one size: per column the least loaded take one instance each."""
+        num_instances = len(self.groups[index].tensors)
+        orders = self.orders[index]
+        heap = [(load[ranks[x]], ranks[x], x) for x in pool]
+        heapq.heapify(heap)
+        for _, _, column in run:
+            picked = [heapq.heappop(heap) for _ in range(num_instances)]
+            orders[column] = [position for _, _, position in picked]
+            for rank_load, rank, position in picked:
+                heapq.heappush(heap, (rank_load + size, rank, position))
+        for rank_load, rank, _ in heap:
+            load[rank] = rank_load
