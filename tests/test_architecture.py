@@ -24,7 +24,8 @@ LAYERS: dict[str, set[str]] = {
     "gc_pause": set(),
     "quant": {"errors"},  # block FP8 quantization: torch only
     "placements": {"tensors"},
-    "layout": BASE | {"placements"},
+    "layout_checks": BASE,  # a layout's validation, on plain data
+    "layout": BASE | {"placements", "layout_checks"},
     "verify": BASE | {"layout"},
     "models": BASE,
     "frameworks": BASE | {"placements", "layout", "models"},

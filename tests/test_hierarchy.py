@@ -75,7 +75,7 @@ def test_network_bytes_per_domain_are_the_bytes_it_lacks(dc):
                                         for p in case.destination.pieces(r)])
         have = _union_mask(spec.shape, [p for r in case.source.ranks if domains[r] == d
                                         for p in case.source.pieces(r)])
-        itemsize = case.destination.uniform_itemsize("w")  # bytes travel in the destination dtype
+        itemsize = case.destination.buffer_dtypes("w").itemsize  # bytes travel in the destination dtype
         lacking = int((need & ~have).sum()) * itemsize
         assert h.cross_domain_bytes.get(d, 0) == lacking, (d, [p.pair_bytes for p in h.phases])
 

@@ -30,14 +30,14 @@ import itertools
 from collections import abc, defaultdict
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
 
+from .layout_checks import check_layout, checked_buffers, checked_piece
 from .placements import Placement, from_torch_placement, local_pieces
-from .tensors import (LayoutError, Piece, TensorSpec, box_slices, box_str, buffer_view, checked_int, checked_ints,
-                      dtype_class, itemsize)
+from .tensors import LayoutError, Piece, TensorSpec, box_slices, buffer_view, itemsize
 
 VALIDATE_MAX_PIECES = 100_000
 """``Layout(..., validate=None)`` checks layouts up to this many pieces; bigger ones (whole models at
@@ -47,8 +47,8 @@ per million pieces)."""
 
 
 class Repeated(abc.Sequence):
-    """``n`` copies of one buffer name without ``n`` references (a tensor's pieces on many ranks
-    usually all live in the buffer of one name): ``Repeated("w", 3) == ("w", "w", "w")``."""
+    """``n`` copies of one buffer name (or dtype) without ``n`` references (a tensor's pieces on many
+    ranks usually all live in the buffer of one name): ``Repeated("w", 3) == ("w", "w", "w")``."""
 
     __slots__ = ("name", "n")
 
@@ -139,16 +139,6 @@ class PieceTable:
         return key
 
 
-def _checked_piece(p: Piece) -> Piece:
-    """``p`` with plain int fields, or :class:`LayoutError` naming the tensor and what is not an integer
-    (a float, even 2.0, or a bool), or a negative rank."""
-    rank = checked_int(p.rank, f"tensor {p.tensor!r}: piece rank", minimum=0)
-    where = f"tensor {p.tensor!r} rank {rank}:"
-    return Piece(p.tensor, checked_ints(p.offsets, f"{where} box offsets"),
-                 checked_ints(p.sizes, f"{where} box sizes"), p.buffer,
-                 checked_ints(p.buffer_offsets, f"{where} buffer offsets"), rank)
-
-
 def _as_table(pieces: Sequence[Piece], ndim: int) -> PieceTable:
     k = len(pieces)
     bnd = max((len(p.buffer_offsets) for p in pieces), default=ndim)
@@ -161,6 +151,29 @@ def _as_table(pieces: Sequence[Piece], ndim: int) -> PieceTable:
         boffs[i] = p.buffer_offsets
     ranks = np.array([p.rank for p in pieces], np.int64)
     return PieceTable(ranks, offsets, sizes, tuple(p.buffer for p in pieces), boffs)
+
+
+class BufferDtypes(NamedTuple):
+    """The dtypes of the buffers one tensor's pieces live in (:meth:`Layout.buffer_dtypes`)."""
+
+    per_piece: Sequence[torch.dtype]  # one per piece, in table order
+    uniform: torch.dtype | None  # the one dtype of every piece's buffer, None when they differ
+    itemsize: int | None  # bytes per element when every piece's buffer has one (dtypes may still differ)
+
+    @classmethod
+    def of(cls, per_piece: Sequence[torch.dtype], uniform: torch.dtype | None) -> "BufferDtypes":
+        """The answer with its itemsize worked out."""
+        if uniform is not None:
+            return cls(per_piece, uniform, uniform.itemsize)
+        sizes = {itemsize(dtype) for dtype in per_piece}
+        return cls(per_piece, None, sizes.pop() if len(sizes) == 1 else None)
+
+    @property
+    def itemsizes(self) -> np.ndarray:
+        """Bytes per element of each piece's buffer (int64 [k])."""
+        if self.uniform is not None:
+            return np.full(len(self.per_piece), self.uniform.itemsize, np.int64)
+        return np.array([itemsize(dtype) for dtype in self.per_piece], np.int64)
 
 
 class Layout:
@@ -187,6 +200,7 @@ class Layout:
         }
         self._by_rank: dict[int, list[tuple[str, int]]] | None = None
         self._dtypes: dict[str, torch.dtype | None] | None = None
+        self._uniform_answers: dict[tuple[torch.dtype, int], BufferDtypes] = {}  # shared by tensors alike
         if validate is None:
             validate = sum(len(t) for t in self.tables.values()) <= VALIDATE_MAX_PIECES
         if validate:
@@ -212,31 +226,9 @@ class Layout:
             spec_by_name[s.name] = s
         grouped: dict[str, list[Piece]] = defaultdict(list)
         for p in pieces:
-            p = _checked_piece(p)
-            if p.tensor not in spec_by_name:
-                raise LayoutError(
-                    f"unknown tensor {p.tensor!r}: rank {p.rank} holds box {box_str(p.offsets, p.sizes)} "
-                    f"in buffer {p.buffer!r} but no TensorSpec names it"
-                )
-            spec = spec_by_name[p.tensor]
-            if len(p.offsets) != len(spec.shape) or len(p.sizes) != len(spec.shape):
-                raise LayoutError(
-                    f"tensor {p.tensor!r} rank {p.rank}: box {box_str(p.offsets, p.sizes)} has "
-                    f"{len(p.offsets)} dims, tensor has {len(spec.shape)}"
-                )
-            if len(p.buffer_offsets) < len(spec.shape):
-                raise LayoutError(
-                    f"tensor {p.tensor!r} rank {p.rank}: buffer {p.buffer!r} offsets {p.buffer_offsets} "
-                    f"have fewer dims than the tensor ({len(spec.shape)})"
-                )
+            p = checked_piece(p, spec_by_name)
             grouped[p.tensor].append(p)
-        bufs: dict[int, dict[str, tuple[tuple[int, ...], torch.dtype]]] = defaultdict(dict)
-        for r, named in (buffers or {}).items():
-            r = checked_int(r, "buffers: rank", minimum=0)
-            for name, (shape, dtype) in named.items():
-                if not isinstance(dtype, torch.dtype):
-                    raise LayoutError(f"rank {r} buffer {name!r}: dtype must be a torch.dtype, got {dtype!r}")
-                bufs[r][name] = (checked_ints(shape, f"rank {r} buffer {name!r}: shape", minimum=0), dtype)
+        bufs = checked_buffers(buffers)
         inferred: dict[tuple[int, str], list[int]] = {}
         inferred_dtype: dict[tuple[int, str], torch.dtype] = {}
         for name, plist in grouped.items():
@@ -413,54 +405,45 @@ class Layout:
         return self._dtypes
 
     @cached_property
-    def single_dtype(self) -> torch.dtype | None:
+    def _single_dtype(self) -> torch.dtype | None:
         """The dtype of every buffer, if they all share one."""
         dtypes = set(self._dtype_by_name().values())
         return next(iter(dtypes)) if len(dtypes) == 1 else None
 
-    def _one_dtype(self, t: PieceTable) -> torch.dtype | None:
-        """The fast answers of :meth:`uniform_dtype`: one dtype everywhere, or one buffer name whose
-        dtype every rank agrees on (``None`` means: look at the pieces)."""
-        single = self.single_dtype
-        if single is not None:
-            return single
-        b = t.one_buffer()
-        return None if b is None else self._dtype_by_name().get(b)
-
-    def piece_dtypes(self, name: str) -> list[torch.dtype]:
-        """The dtype of the buffer each piece of ``name`` lives in."""
-        t = self.tables[name]
-        dt = self._one_dtype(t)
-        if dt is not None:
-            return [dt] * len(t)
+    def _dtypes_of_pieces(self, table: PieceTable) -> list[torch.dtype]:
+        """The dtype of each piece's buffer, by buffer name where every rank agrees on it, else by rank."""
         by_name = self._dtype_by_name()
-        if all(by_name.get(b) is not None for b in set(t.buffers)):
-            return [by_name[b] for b in t.buffers]
-        return [self._buffers[r][b][1] for r, b in zip(t.ranks.tolist(), t.buffers)]
+        if all(by_name.get(b) is not None for b in set(table.buffers)):
+            return [by_name[b] for b in table.buffers]
+        return [self._buffers[r][b][1] for r, b in zip(table.ranks.tolist(), table.buffers)]
 
-    def uniform_dtype(self, name: str) -> torch.dtype | None:
-        """The dtype of every piece's buffer of ``name`` when they agree, else None."""
-        dt = self._one_dtype(self.tables[name])
-        if dt is not None:
-            return dt
-        dtypes = set(self.piece_dtypes(name))
-        return dtypes.pop() if len(dtypes) == 1 else None
+    def buffer_dtypes(self, name: str) -> BufferDtypes:
+        """The dtypes of the buffers the pieces of ``name`` live in: per piece, and the one dtype when
+        they agree (see :class:`BufferDtypes`).
 
-    def uniform_itemsize(self, name: str) -> int | None:
-        """Bytes per element when every piece of ``name`` lives in buffers of one itemsize, else None."""
-        dt = self._one_dtype(self.tables[name])
-        if dt is not None:
-            return dt.itemsize
-        sizes = set(self.itemsizes(name).tolist())
-        return sizes.pop() if len(sizes) == 1 else None
-
-    def itemsizes(self, name: str) -> np.ndarray:
-        """Bytes per element of the buffer each piece of ``name`` lives in (int64 [k])."""
-        t = self.tables[name]
-        dt = self._one_dtype(t)
-        if dt is not None:
-            return np.full(len(t), dt.itemsize, np.int64)
-        return np.array([itemsize(d) for d in self.piece_dtypes(name)], np.int64)
+        >>> from reshard.placements import Shard
+        >>> lay = Layout.from_placements(TensorSpec("w", (4, 6), torch.float32), [0, 1], (2,), [Shard(0)],
+        ...                              dtype=torch.bfloat16)
+        >>> found = lay.buffer_dtypes("w")
+        >>> found.uniform, found.itemsize, found.itemsizes.tolist()
+        (torch.bfloat16, 2, [2, 2])
+        """
+        table = self.tables[name]
+        # the answers that need no look at the pieces: one dtype everywhere, or one buffer name whose
+        # dtype every rank agrees on
+        fast = self._single_dtype
+        if fast is None:
+            one = table.one_buffer()
+            fast = None if one is None else self._dtype_by_name().get(one)
+        if fast is not None:
+            key = (fast, len(table.buffers))
+            answer = self._uniform_answers.get(key)
+            if answer is None:
+                answer = self._uniform_answers[key] = BufferDtypes.of(Repeated(fast, key[1]), fast)
+            return answer
+        per_piece = self._dtypes_of_pieces(table)
+        distinct = set(per_piece)
+        return BufferDtypes.of(per_piece, distinct.pop() if len(distinct) == 1 else None)
 
     def empty_buffers(self, rank: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """Zero-filled buffers of ``rank`` (e.g. destination parameters before a refit)."""
@@ -494,125 +477,9 @@ class Layout:
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
         """Raise :class:`LayoutError` for a box outside its tensor, a piece outside its buffer,
-        two pieces overlapping in one buffer, or a piece whose buffer has the wrong dtype class.
-
-        Vectorized: buffer shapes are looked up once per (buffer name, set of ranks), and
-        overlaps are found by sorting each buffer's pieces along their first dim and comparing
-        only pieces whose first-dim ranges meet.
-        """
-        negative = [r for r in self._buffers if r < 0]
-        if negative:
-            raise LayoutError(f"rank {negative[0]}: ranks must be >= 0 (it declares buffers "
-                              f"{', '.join(map(repr, self._buffers[negative[0]]))})")
-        looked_up: dict[tuple[str, bytes], tuple] = {}
-        codes: dict[str, int] = {}
-        by_width: dict[int, tuple[list, list, list, list, list]] = defaultdict(lambda: ([], [], [], [], []))
-        for ti, (name, t) in enumerate(self.tables.items()):
-            spec = self.specs.get(name)
-            if spec is None:
-                raise LayoutError(f"unknown tensor {name!r}: pieces refer to it but no TensorSpec names it")
-            if not len(t):
-                continue
-            if t.ranks.min() < 0:
-                i = int(np.argmin(t.ranks))
-                raise LayoutError(f"tensor {name!r} rank {int(t.ranks[i])}: box {box_str(t.offsets[i], t.sizes[i])} "
-                                  f"is on a negative rank (ranks must be >= 0)")
-            shape = np.array(spec.shape, np.int64)
-            bad = np.flatnonzero(((t.offsets < 0) | (t.sizes < 0) | (t.offsets + t.sizes > shape)).any(axis=1))
-            if len(bad):
-                i = int(bad[0])
-                raise LayoutError(
-                    f"tensor {name!r} rank {int(t.ranks[i])}: box {box_str(t.offsets[i], t.sizes[i])} lies "
-                    f"outside the tensor's shape {spec.shape}"
-                )
-            k, d = t.sizes.shape
-            bd = t.buffer_offsets.shape[1]
-            lo = t.buffer_offsets
-            hi = lo + np.concatenate([np.ones((k, bd - d), np.int64), t.sizes], axis=1)
-            names = list(dict.fromkeys(t.buffers))
-            for b in names:
-                rows = np.arange(k) if len(names) == 1 else np.flatnonzero(np.array(t.buffers, object) == b)
-                ranks = t.ranks[rows]
-                uniq, shapes, dtypes = self._buffer_shapes(looked_up, b, ranks, name)
-                for r, dt in zip(uniq.tolist(), dtypes):
-                    if dtype_class(dt) != dtype_class(spec.dtype):
-                        raise LayoutError(f"tensor {name!r} rank {r}: buffer {b!r} has dtype {dt}, "
-                                          f"of another class than the tensor's {spec.dtype}")
-                if shapes.shape[1] != bd:
-                    raise LayoutError(f"tensor {name!r} rank {int(uniq[0])}: buffer {b!r} has {shapes.shape[1]} "
-                                      f"dims but the piece's buffer offsets have {bd}")
-                sh = shapes[np.searchsorted(uniq, ranks)]
-                out = np.flatnonzero(((lo[rows] < 0) | (hi[rows] > sh)).any(axis=1))
-                if len(out):
-                    i = int(rows[out[0]])
-                    raise LayoutError(
-                        f"tensor {name!r} rank {int(t.ranks[i])}: box {box_str(t.offsets[i], t.sizes[i])} placed "
-                        f"at {tuple(lo[i].tolist())} does not fit buffer {b!r} of shape "
-                        f"{tuple(sh[out[0]].tolist())}"
-                    )
-                live = rows[(t.sizes[rows] > 0).all(axis=1)]
-                keys, los, his, tis, pieces = by_width[bd]
-                keys.append(t.ranks[live] * (1 << 24) + codes.setdefault(b, len(codes)))
-                los.append(lo[live])
-                his.append(hi[live])
-                tis.append((ti, len(live)))
-                pieces.append(live)
-        if by_width:
-            self._check_buffer_overlaps(by_width)
-
-    def _buffer_shapes(self, cache: dict, b: str, ranks: np.ndarray, tensor: str):
-        """(sorted ranks, their shapes of buffer ``b`` [n, ndim], their dtypes), cached."""
-        key = (b, ranks.tobytes())
-        hit = cache.get(key)
-        if hit is None:
-            uniq = np.unique(ranks)
-            descs = []
-            for r in uniq.tolist():
-                desc = self._buffers.get(r, {}).get(b)
-                if desc is None:
-                    raise LayoutError(f"tensor {tensor!r} rank {r}: buffer {b!r} is not declared on that rank")
-                descs.append(desc)
-            ndims = {len(sh) for sh, _ in descs}
-            if len(ndims) > 1:
-                raise LayoutError(f"buffer {b!r} has different numbers of dims on different ranks")
-            shapes = np.array([sh for sh, _ in descs], np.int64).reshape(len(descs), ndims.pop())
-            hit = cache[key] = (uniq, shapes, [dt for _, dt in descs])
-        return hit
-
-    def _check_buffer_overlaps(self, by_width: dict) -> None:
-        """Pieces grouped by buffer-offset width: (keys, lows, highs, (table, count) runs, piece ids)."""
-        width = max(max(by_width), 1)  # a 0-d tensor's pieces: one slot along a pretend dim
-        parts = []
-        for w, (keys, los, his, tis, pieces) in by_width.items():
-            lo, hi = np.concatenate(los), np.concatenate(his)
-            ref = np.stack([np.repeat([t for t, _ in tis], [n for _, n in tis]), np.concatenate(pieces)], axis=1)
-            parts.append((np.concatenate(keys), np.pad(lo, ((0, 0), (0, width - w))),
-                          np.pad(hi, ((0, 0), (0, width - w)), constant_values=1), ref))
-        keys = np.concatenate([p[0] for p in parts])
-        lo = np.concatenate([p[1] for p in parts])
-        hi = np.concatenate([p[2] for p in parts])
-        refs = np.concatenate([p[3] for p in parts])
-        order = np.lexsort((lo[:, 0], keys))
-        keys, lo, hi, refs = keys[order], lo[order], hi[order], refs[order]
-        group = np.concatenate([[0], np.cumsum(keys[1:] != keys[:-1])]) << 40
-        # pieces after i in its buffer whose first-dim start lies before i's first-dim end
-        reach = np.searchsorted(group + lo[:, 0], group + hi[:, 0], "left") - np.arange(len(keys)) - 1
-        for w in range(1, int(reach.max(initial=0)) + 1):
-            i = np.flatnonzero(reach >= w)
-            j = i + w
-            hit = i[((lo[i] < hi[j]) & (lo[j] < hi[i])).all(axis=1)]
-            if len(hit):
-                a, c = int(hit[0]), int(hit[0]) + w
-                names = list(self.tables)
-                (t1, k1), (t2, k2) = refs[a].tolist(), refs[c].tolist()
-                n1, n2 = names[t1], names[t2]
-                T1, T2 = self.tables[n1], self.tables[n2]
-                raise LayoutError(
-                    f"rank {int(T1.ranks[k1])} buffer {T1.buffers[k1]!r}: piece of {n1!r} box "
-                    f"{box_str(T1.offsets[k1], T1.sizes[k1])} at {tuple(T1.buffer_offsets[k1].tolist())} overlaps "
-                    f"piece of {n2!r} box {box_str(T2.offsets[k2], T2.sizes[k2])} at "
-                    f"{tuple(T2.buffer_offsets[k2].tolist())}"
-                )
+        two pieces overlapping in one buffer, or a piece whose buffer has the wrong dtype class
+        (:func:`~reshard.layout_checks.check_layout`)."""
+        check_layout(self.specs, self.tables, self._buffers)
 
 
 def _concat_ragged(arrays: list[np.ndarray], ndim: int) -> np.ndarray:

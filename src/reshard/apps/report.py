@@ -24,7 +24,7 @@ def precision_summary(p: Plan, precision=None) -> dict:
         by_dtype: dict[str, int] = {}
         for name, b in p.tensor_wire_bytes().items():
             if b:
-                d = dtype_name(p.destination.uniform_dtype(name) or p.destination.specs[name].dtype)
+                d = dtype_name(p.destination.buffer_dtypes(name).uniform or p.destination.specs[name].dtype)
                 by_dtype[d] = by_dtype.get(d, 0) + b
         return {"wire_bytes_by_precision": {"fp8": 0, "scales": 0, "raw": 0, "other": p.wire_bytes},
                 "wire_bytes_by_dtype": dict(sorted(by_dtype.items())), "fp8_tensors": 0,

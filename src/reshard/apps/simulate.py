@@ -130,7 +130,7 @@ def rank_weight_bytes(layout: Layout) -> dict[int, int]:
     total = np.zeros(max(layout.ranks, default=-1) + 1)
     for name, t in layout.tables.items():
         if len(t):
-            np.add.at(total, t.ranks, np.prod(t.sizes, axis=1) * layout.itemsizes(name))
+            np.add.at(total, t.ranks, np.prod(t.sizes, axis=1) * layout.buffer_dtypes(name).itemsizes)
     return {r: int(total[r]) for r in layout.ranks}
 
 

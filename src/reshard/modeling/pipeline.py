@@ -269,7 +269,7 @@ def exclusive_source_bytes(p: Plan) -> dict[int, float]:
         alone = count[inv] == 1
         if not alone.any():
             continue
-        isz = p.destination.uniform_itemsize(name) or p.destination.specs[name].dtype.itemsize
+        isz = p.destination.buffer_dtypes(name).itemsize or p.destination.specs[name].dtype.itemsize
         for r, v in zip(st.ranks[alone].tolist(), st.sizes[alone].prod(axis=1).tolist()):
             out[r] = out.get(r, 0.0) + v * isz
     return out

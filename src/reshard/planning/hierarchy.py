@@ -121,7 +121,7 @@ def domain_need_bytes(destination: Layout, domains: Mapping[int, int]) -> dict[i
             continue
         rows = np.concatenate([dom[t.ranks][:, None], t.offsets, t.sizes], axis=1)
         uniq, first = np.unique(rows, axis=0, return_index=True)
-        nbytes = t.sizes[first].prod(axis=1) * destination.itemsizes(name)[first]  # in destination dtypes
+        nbytes = t.sizes[first].prod(axis=1) * destination.buffer_dtypes(name).itemsizes[first]  # in destination dtypes
         for d, b in zip(uniq[:, 0].tolist(), nbytes.tolist()):
             out[d] = out.get(d, 0) + b
     return out

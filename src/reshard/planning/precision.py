@@ -204,9 +204,10 @@ class PrecisionPlan:
         """FP8 tensor ``name``'s block paths and staging, or LayoutError when its sources hold it in
         several dtypes."""
         source_table, destination_table = self.source.tables[name], self.destination.tables[name]
-        source_dtype = self.source.uniform_dtype(name)
+        source_dtypes = self.source.buffer_dtypes(name)
+        source_dtype = source_dtypes.uniform
         if source_dtype is None:
-            held = sorted({dtype_name(dtype) for dtype in self.source.piece_dtypes(name)})
+            held = sorted({dtype_name(dtype) for dtype in source_dtypes.per_piece})
             raise LayoutError(f"tensor {name!r}: source ranks hold it in buffers of several dtypes "
                               f"({held}); block FP8 quantizes from one source precision")
         shape = self.destination.specs[name].shape
@@ -332,7 +333,7 @@ class PrecisionPlan:
 
 
 def _uniform(layout: Layout, name: str) -> torch.dtype:
-    dtype = layout.uniform_dtype(name)
+    dtype = layout.buffer_dtypes(name).uniform
     return dtype if dtype is not None else layout.specs[name].dtype
 
 
