@@ -48,8 +48,9 @@ import reshard as rs
 from reshard import verify
 from reshard.execution.packing import pack, unpack
 from reshard.frameworks.parallel import InferParallel, TrainParallel, model_layouts
-from reshard.modeling.cost import model_time, traffic_from_pairs, traffic_from_plan
+from reshard.modeling.reshard_time import model_time
 from reshard.modeling.topology import CPU_MEASURED, Placement, cpu_topology
+from reshard.modeling.traffic import traffic_from_pairs, traffic_from_plan
 from reshard.models import DEMO_MODEL, get_arch
 from reshard.planning.schedule import Copy, Message
 

@@ -6,9 +6,11 @@ import math
 import pytest
 
 from reshard.frameworks.parallel import model_layouts
-from reshard.modeling.cost import Demand, lower_bound, model_time, traffic_from_pairs
+from reshard.modeling.bound import Demand, lower_bound
 from reshard.modeling.pipeline import RefitModel
+from reshard.modeling.reshard_time import model_time
 from reshard.modeling.topology import Placement, Topology
+from reshard.modeling.traffic import traffic_from_pairs
 from reshard.models import tiny_arch
 
 GB = 1e9

@@ -7,10 +7,12 @@ import pytest
 import torch
 
 import reshard as rs
-from reshard.modeling.cost import (Demand, broadcast_chain, gather_broadcast_fair_time, gather_broadcast_time,
-                                   gather_broadcast_time_of, lower_bound, model_time, traffic_from_pairs,
-                                   traffic_from_plan)
+from reshard.modeling.baseline_time import (broadcast_chain, gather_broadcast_fair_time, gather_broadcast_time,
+                                            gather_broadcast_time_of)
+from reshard.modeling.bound import Demand, lower_bound
+from reshard.modeling.reshard_time import model_time
 from reshard.modeling.topology import Placement, Topology
+from reshard.modeling.traffic import traffic_from_pairs, traffic_from_plan
 from reshard.planning.baseline import Stage, gather_sends
 
 GB = 1e9

@@ -6,10 +6,11 @@ import pytest
 
 from reshard.apps.cli import main
 from reshard.frameworks.parallel import model_layouts
-from reshard.modeling.cost import model_time, traffic_from_pairs
 from reshard.modeling.pipeline import RefitModel
 from reshard.modeling.plots import plot_link_load, plot_pair_bytes
+from reshard.modeling.reshard_time import model_time
 from reshard.modeling.topology import Placement, Topology
+from reshard.modeling.traffic import traffic_from_pairs
 from reshard.models import DEMO_MODEL, get_arch
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -55,10 +55,13 @@ from ..planning.hierarchy import HierarchicalPlan, domain_need_bytes, hierarchic
 from ..planning.hybrid import HybridRule, split_layout
 from ..planning.plan import PhasedPlan, Plan
 from ..planning.precision import PrecisionPlan, precision_plan
-from .cost import (Bound, Demand, Estimate, Traffic, gather_broadcast_fair_time, gather_broadcast_time_of,
-                   lower_bound, model_time, traffic_from_pairs)
+from .baseline_time import gather_broadcast_fair_time, gather_broadcast_time_of
+from .bound import Bound, Demand, lower_bound
+from .estimate import Estimate
 from .plots import plot_link_load, plot_pair_bytes
+from .reshard_time import model_time
 from .topology import Placement, Topology
+from .traffic import Traffic, traffic_from_pairs
 
 
 @dataclass

@@ -7,12 +7,12 @@ Two PNGs (matplotlib, Agg backend: no display needed):
   are grouped into blocks of consecutive ranks (one per node when that fits) and a
   cell shows the block's total.
 - :func:`plot_link_load`: per GPU, the seconds each link kind needs at its bandwidth
-  (NIC out, NIC in, NVLink out, NVLink in; from a :class:`~reshard.modeling.cost.Traffic`),
+  (NIC out, NIC in, NVLink out, NVLink in; from a :class:`~reshard.modeling.traffic.Traffic`),
   the bottleneck marked. Above ``max_bars`` GPUs, bars show the busiest GPU of each
   block (node or domain).
 
 >>> from reshard.modeling.topology import Placement, Topology
->>> from reshard.modeling.cost import traffic_from_pairs
+>>> from reshard.modeling.traffic import traffic_from_pairs
 >>> place = Placement.contiguous(Topology.preset("dgx-h100"), 2, 2)
 >>> tr = traffic_from_pairs([{(0, 2): 10**9, (1, 3): 10**9}], place)
 >>> import tempfile, pathlib
@@ -33,8 +33,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.colors import LogNorm  # noqa: E402
 
-from .cost import LINK_LABEL, LINKS, Estimate, Traffic  # noqa: E402
+from .estimate import Estimate  # noqa: E402
 from .topology import Placement, Topology  # noqa: E402
+from .traffic import LINK_LABEL, LINKS, Traffic  # noqa: E402
 
 _COLORS = {"nic_out": "#1f77b4", "nic_in": "#ff7f0e", "nvlink_out": "#2ca02c", "nvlink_in": "#9467bd"}
 

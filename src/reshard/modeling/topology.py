@@ -3,8 +3,9 @@
 A *topology* describes one kind of machine: GPUs grouped into nodes (what a tray or
 a server holds) and NVLink domains (GPUs that reach each other over NVLink), one
 NIC per GPU, and the speed of every link kind. A *placement* says which GPU each
-refit rank runs on. Both are plain data: the cost model (:mod:`reshard.modeling.cost`) and
-the plots read them; nothing here touches a process group.
+refit rank runs on. Both are plain data: the cost model (:mod:`reshard.modeling.traffic`,
+:mod:`~reshard.modeling.reshard_time`, :mod:`~reshard.modeling.baseline_time`, :mod:`~reshard.modeling.bound`)
+and the plots read them; nothing here touches a process group.
 
 Presets (bandwidths per GPU, per direction; sources in ``docs/cost_model.md``)::
 
@@ -403,6 +404,17 @@ class Placement:
 
     def ranks_on(self, gpu: int) -> list[int]:
         return np.flatnonzero(self.gpu_of == gpu).tolist()
+
+    def check_topology(self, topology: Topology | None = None) -> Topology:
+        """The topology to model this placement on: ``topology`` when given (its links may differ from
+        the placement's, its grouping of GPUs into domains and nodes may not), else the placement's own."""
+        if topology is None:
+            return self.topology
+        own = self.topology
+        if (topology.gpus_per_domain, topology.gpus_per_node) != (own.gpus_per_domain, own.gpus_per_node):
+            raise ValueError(f"topology {topology.name!r} groups GPUs differently from the placement's "
+                             f"{own.name!r}; build the placement with the same topology")
+        return topology
 
     def describe(self) -> str:
         t, i = self.train_ranks, self.infer_ranks
