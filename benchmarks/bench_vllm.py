@@ -47,7 +47,7 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
-from bench_refit import print_header  # noqa: E402  (benchmarks/ is on the path when run as a script)
+from reshard.apps.bench_support import print_header
 
 MiB = 1 << 20
 METHODS = ("reshard", "gloo broadcast", "checkpoint")
@@ -109,7 +109,8 @@ def trainer(rank: int, world: int, path: str, work: str, rounds: int, warmup: in
     from reshard.execution.process_group import free_port
     from reshard.integrations.vllm import BroadcastTrainerInitInfo, ReshardSource, ReshardTrainerInitInfo
     from reshard.integrations.vllm.inspect import close_engine, engine_digest, refit_stats, worker_memory
-    from reshard.integrations.vllm.trainer import as_client
+    from reshard.integrations.vllm.clients import as_client
+    from reshard.options import RefitOptions
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     for layer in model.model.layers:
@@ -128,7 +129,7 @@ def trainer(rank: int, world: int, path: str, work: str, rounds: int, warmup: in
         dist.broadcast_object_list(ports, src=0)
         reshard = WeightTransferTrainerFactory.trainer_init(
             ReshardTrainerInitInfo(rank=rank, master_address="127.0.0.1", master_port=ports[0], num_trainer_ranks=world,
-                                   world_size=world + tp, timeout_s=300),
+                                   world_size=world + tp, options=RefitOptions(timeout=300)),
             client=client, source=ReshardSource(model))
         broadcast = WeightTransferTrainerFactory.trainer_init(
             BroadcastTrainerInitInfo(rank=rank, master_address="127.0.0.1", master_port=ports[1],

@@ -130,7 +130,7 @@ def test_readme_architecture_names_every_module():
     section = text[text.index("## Architecture"):]
     end = section.find("\n## ", 1)
     section = section if end < 0 else section[:end]
-    named = set(re.findall(r"^\| `([a-z_]+(?:/[a-z_]+)*\.py)` \|", section, re.M))  # the table's first column
+    named = set(re.findall(r"^\| `([a-z0-9_]+(?:/[a-z0-9_]+)*\.py)` \|", section, re.M))  # the table's first column
     files = {str(p.relative_to(ROOT)) for p in MODULES.values() if p.name not in ("__init__.py", "__main__.py")}
     assert files <= named, f"modules missing from the README's architecture section: {sorted(files - named)}"
     assert named <= files, f"the README's architecture section names modules that do not exist: {sorted(named - files)}"

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from launch import launch
 from reshard.execution.process_group import free_port
+from reshard.options import RefitOptions
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -98,7 +99,8 @@ def _refits(job_rank, model, opt, engines, ckpt, kind, engine_tps, out_dir):
     def info(port):
         return ReshardTrainerInitInfo(rank=job_rank, master_address="127.0.0.1", master_port=port,
                                       num_trainer_ranks=trainers, world_size=trainers + workers,
-                                      engine_world_sizes=engine_tps, timeout_s=120, max_bucket_bytes=1 << 20)
+                                      engine_world_sizes=engine_tps,
+                                      options=RefitOptions(timeout=120, max_bucket_bytes=1 << 20))
 
     # sides that do not match fail at connect, on every rank; the engines keep their weights and version
     wrong = AutoModelForCausalLM.from_pretrained(f"{out_dir}/wrong", dtype=torch.float32)
@@ -140,7 +142,8 @@ def _refits(job_rank, model, opt, engines, ckpt, kind, engine_tps, out_dir):
         assert [e.collective_rpc(engine_digest) for e in engines] == digests
         assert [e.get_weight_version() for e in engines] == ["broadcast"] * len(engines)
     # the hybrid method (FFN and experts by reshard, the rest by gather-and-broadcast) leaves the same bytes
-    engine.reconnect(replace(info(ports.pop()), method="hybrid"))
+    hybrid = info(ports.pop())
+    engine.reconnect(replace(hybrid, options=hybrid.options.replace(method="hybrid")))
     assert engine.session.plan.reshard_tensors and engine.session.plan.broadcast_tensors
     saved = [p.detach().clone() for p in model.parameters()]
     with torch.no_grad():
@@ -223,7 +226,7 @@ def _http_trainer(job, job_rank, rank, world, store_addr, ckpt, url, out_dir):
     port = [free_port() if job_rank == 0 else 0]
     dist.broadcast_object_list(port, src=0)
     info = ReshardTrainerInitInfo(rank=job_rank, master_address="127.0.0.1", master_port=port[0], num_trainer_ranks=2,
-                                  world_size=4, timeout_s=120)
+                                  world_size=4, options=RefitOptions(timeout=120))
     engine = WeightTransferTrainerFactory.trainer_init(info, client=HTTPVLLMWeightSyncClient(url),
                                                        source=ReshardSource(model))
     ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(7))

@@ -78,6 +78,7 @@ class Outcome:
     detection_s: float | None = None  # fault fired -> the last rank that did not fault raising
     recovery_s: float | None = None  # detection -> the next refit committed
     phase: str | None = None  # the phase the refit failed in (vLLM suite: trainer rank 0's error)
+    moved: bool = True  # whether that error says destination bytes may have moved (RefitError.moved)
     late: bool = False  # (vLLM suite) a trainer rank raised later than its bound
     named: bool | None = None  # (vLLM engine kills) both trainer ranks' errors named the killed rank
     engine_restart: bool = False  # (vLLM suite) an engine worker was killed: the engine was replaced

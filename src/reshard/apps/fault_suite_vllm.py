@@ -48,7 +48,6 @@ from .fault_vllm_rig import EngineRig, Hang
 
 SIDES = {"trainer 0": ("raise", "stall", "corrupt"), "trainer 1": ("kill", "stall", "raise", "corrupt"),
          "engine": ("raise", "stall")}
-NOTHING_MOVED = ("connect", "agreement")
 
 
 def side_of(s: Scenario) -> str:
@@ -206,6 +205,7 @@ class EngineDriver:
         if error0 is not None and not isinstance(error0, RefitError):
             o.notes.append(f"rank 0 raised {type(error0).__name__}: {error0}")
         o.phase = getattr(error0, "phase", None)
+        o.moved = getattr(error0, "moved", True)
         if is_engine_kill(s) and o.fired:  # both trainer ranks must name the killed worker's rank
             named = [tuple(getattr(error0, "ranks", ()) or ()), tuple(answer[4]) if answer else ()]
             o.named = all(s.fault_rank in r for r in named)
@@ -245,7 +245,7 @@ class EngineDriver:
             o.torn += 1
             o.notes.append(f"the engine reports version {now!r} after a failed refit (was {rig.version!r})")
         _, gen_err, _ = rig.generate()
-        if o.phase in NOTHING_MOVED:
+        if not o.moved:
             if gen_err is not None or rig.digests() != rig.refs[rig.state]:
                 o.torn += 1
                 o.notes.append(f"failed at {o.phase} but the engine does not serve the previous weights: {gen_err!r}")

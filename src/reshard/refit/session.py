@@ -147,7 +147,8 @@ class RefitSession:
                 group: Group | dist.ProcessGroup | None = None, store_addr: str | None = None,
                 rank: int | None = None, world_size: int | None = None, backend: str | None = None,
                 options: RefitOptions | Mapping | None = None, host_store: bool | None = None,
-                failure: str | None = None, member: str | None = None, **option_values) -> "RefitSession":
+                failure: str | None = None, member: str | None = None, version: object = None,
+                **option_values) -> "RefitSession":
         """Rendezvous and build the session. The group is ``group`` if given; else a standalone group
         over the TCP store at ``store_addr`` (``"host:port"``, hosted by rank 0) with explicit ``rank``
         and ``world_size`` (``host_store``: whether this rank hosts the store; default rank 0; ``False``
@@ -162,7 +163,8 @@ class RefitSession:
         (``precision``) the destination side declares the engine's layout at the source's precision
         and holds the buffers of :func:`~reshard.planning.precision.precision_layout`, FP8 weights and
         ``<buffer>_scale_inv``. ``failure``: why this rank has no side to offer (every rank raises it
-        at once instead of waiting); ``member``: this process's name in membership changes."""
+        at once instead of waiting); ``member``: this process's name in membership changes; ``version``:
+        the version this rank's destination already holds (None: none yet)."""
         options = RefitOptions.of(options, **option_values)
         _check_ranks(rank, world_size)
         timeout = options.timeout
@@ -182,7 +184,8 @@ class RefitSession:
         else:
             g = Group()
         try:
-            return cls(g, source=source, destination=destination, options=options, failure=failure, member=member)
+            return cls(g, source=source, destination=destination, options=options, failure=failure, member=member,
+                       version=version)
         except RefitError as e:
             if g is not group:
                 g.fail(e.with_traceback(None))

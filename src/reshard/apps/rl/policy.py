@@ -13,9 +13,9 @@ Call sequence, on every rank at once (the driver fans each call out)::
 
 Refit methods (the same trainer weights; the engine holds the same bytes after any of them)::
 
-    reshard            the reshard backend (ReshardTrainerInitInfo(method="reshard")): each worker
+    reshard            the reshard backend (options=RefitOptions(method="reshard")): each worker
                        receives its own shards straight from the trainer ranks that hold them
-    hybrid             the reshard backend with method="hybrid" (FFN and experts by reshard, the rest
+    hybrid             the reshard backend with method "hybrid" (FFN and experts by reshard, the rest
                        gathered and broadcast, as NeMo RL does)
     gather-broadcast   every rank gathers each full tensor, rank 0 broadcasts them to every worker,
                        which loads them through vLLM's load_weights (the path of vLLM's nccl backend)
@@ -153,10 +153,11 @@ class PolicyTrainer:
         from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
         from ...integrations.vllm import ReshardSource, ReshardTrainerInitInfo
+        from ...options import RefitOptions
 
         info = ReshardTrainerInitInfo(rank=self.rank, master_address=self.host, master_port=self._agreed_port(),
-                                      num_trainer_ranks=self.world, world_size=self.world + self.tp, method=method,
-                                      timeout_s=self.timeout_s, comm_backend="gloo")
+                                      num_trainer_ranks=self.world, world_size=self.world + self.tp,
+                                      options=RefitOptions(method=method, timeout=self.timeout_s), comm_backend="gloo")
         self.transfers[method] = WeightTransferTrainerFactory.trainer_init(info, client=self.client,
                                                                            source=ReshardSource(self.model))
 

@@ -35,7 +35,7 @@ class RolloutEngine:
         from vllm import LLM
         from vllm.config import WeightTransferConfig
 
-        from ...integrations.vllm.trainer import as_client
+        from ...integrations.vllm.clients import as_client
 
         self.llm = LLM(model=path, tensor_parallel_size=tp, dtype="bfloat16", enforce_eager=True, seed=seed,
                        max_model_len=max_model_len, enable_prefix_caching=False,

@@ -80,8 +80,8 @@ class BroadcastTrainerInitInfo(TrainerInitInfo):
     def worker_init_info(self) -> dict[str, Any]:
         sizes = list(self.engine_world_sizes)
         return {"store_addr": f"{self.master_address}:{self.master_port}", "world_size": 1 + sum(sizes),
-                "rank_offsets": [1 + sum(sizes[:i]) for i in range(len(sizes))], "method": BROADCAST,
-                "bucket_bytes": self.bucket_bytes, "timeout_s": self.timeout_s, "comm_backend": self.comm_backend}
+                "rank_offsets": [1 + sum(sizes[:i]) for i in range(len(sizes))], "bucket_bytes": self.bucket_bytes,
+                "options": {"timeout_s": self.timeout_s}, "comm_backend": self.comm_backend}
 
 
 def full_checkpoint_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -8,9 +8,10 @@ vLLM drives it through its weight-sync calls (``LLM`` methods, the HTTP server's
     update_weights({"version": v, "method": m}) receive this worker's boxes (the trainer sends at once)
     finish_weight_update(weight_version=v)   vLLM records v once every worker returned from update
 
-The trainer picks the method in the init info: ``"auto"``, ``"reshard"``, ``"hierarchical"``,
-``"hybrid"`` (``hybrid_patterns`` by reshard, the other tensors by gather-and-broadcast),
-``"gather-broadcast"`` (a refit session each), or ``"broadcast"``, the baseline of
+The trainer picks the method in the init info's options (a :class:`~reshard.options.RefitOptions`,
+as JSON): ``"auto"``, ``"reshard"``, ``"hierarchical"``, ``"hybrid"`` (its rule's tensors by
+reshard, the other tensors by gather-and-broadcast), ``"gather-broadcast"`` (a refit session
+each), or the ``gloo_broadcast`` backend's ``"broadcast"`` (``bucket_bytes`` set), the baseline of
 :mod:`reshard.integrations.vllm.broadcast` (full tensors from trainer rank 0 into
 ``load_weights``), so one engine can be refitted every way a comparison needs.
 
@@ -49,7 +50,6 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
@@ -57,7 +57,8 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
 from vllm.logger import init_logger
 
 from ...execution.group import Group
-from ...refit.session import AUTO, DEFAULT_BUCKET_BYTES, RefitSession
+from ...options import RefitOptions
+from ...refit.session import RefitSession
 from ...refit.states import DestinationState
 from .broadcast import BROADCAST, receive_broadcast
 from .broadcast import DEFAULT_BUCKET_BYTES as BROADCAST_BUCKET_BYTES
@@ -74,18 +75,19 @@ class ReshardWeightTransferInitInfo(WeightTransferInitInfo):
     world_size: int  # the group: trainer ranks (trainer rank 0 alone for "broadcast") + every engine's workers
     rank_offsets: list[int]  # first rank of each engine's workers in that group, engine by engine
     engine_index: int = 0
-    method: str = AUTO  # "auto", "reshard", "hierarchical", "hybrid", "gather-broadcast", or "broadcast"
-    max_bucket_bytes: int | None = DEFAULT_BUCKET_BYTES  # a refit's transfer staging cap per rank
-    bucket_bytes: int | None = None  # "broadcast": bytes per broadcast bucket
-    timeout_s: float = 300.0
     comm_backend: str | None = None  # "gloo" or "nccl"; default: nccl when CUDA is available
-    checksum: bool = False  # an xxh3-64 digest per message, checked on arrival (every rank must agree)
-    # "hybrid": regular expressions of the tensors it moves by reshard (None: FFN and expert weights)
-    hybrid_patterns: list[str] | None = None
+    options: dict | None = None  # the refit's RefitOptions as JSON (RefitOptions.to_json); None: the defaults
+    bucket_bytes: int | None = None  # set by the baseline "gloo_broadcast" backend: bytes per bucket, no session
 
     def __post_init__(self) -> None:
         if not 0 <= self.engine_index < len(self.rank_offsets):
             raise ValueError(f"engine_index {self.engine_index} is not one of the {len(self.rank_offsets)} engines")
+        self.refit_options = RefitOptions.from_json(self.options or {})  # OptionsError naming a bad one
+
+    @property
+    def method(self) -> str:
+        """``"broadcast"`` for the baseline backend, else the refit's method (the session's key)."""
+        return BROADCAST if self.bucket_bytes is not None else self.refit_options.method
 
 
 @dataclass
@@ -127,7 +129,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardWeightTransferInit
 
         first = init_info.rank_offsets[init_info.engine_index]
         rank = self.rank = first + get_tensor_model_parallel_rank()
-        timeout = timedelta(seconds=init_info.timeout_s)
+        timeout = init_info.refit_options.timeout
         if init_info.method == BROADCAST:
             self._close(broadcast=True)
             with self._last_worker_raises():
@@ -144,9 +146,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardWeightTransferInit
         with self._last_worker_raises():
             self.session = self.sessions[init_info.method] = RefitSession.connect(
                 destination=side, store_addr=init_info.store_addr, rank=rank, world_size=init_info.world_size,
-                backend=init_info.comm_backend, timeout=timeout, method=init_info.method,
-                max_bucket_bytes=init_info.max_bucket_bytes, checksum=init_info.checksum, failure=failure,
-                hybrid_rule=init_info.hybrid_patterns)
+                backend=init_info.comm_backend, options=init_info.refit_options, failure=failure)
 
     def start_weight_update(self) -> None:
         if not self.sessions and self.broadcast is None:

@@ -2,21 +2,24 @@
 
 The refit group is the trainer ranks ``0..num_trainer_ranks-1`` followed by each engine's
 workers, engine by engine; trainer rank 0 hosts its TCP store and hands the workers their part of
-the same information (:meth:`ReshardTrainerInitInfo.worker_init_info`, plain JSON). Every option
-is checked here, when the info is made, before anything connects.
+the same information (:meth:`ReshardTrainerInitInfo.worker_init_info`, plain JSON: the refit's
+:class:`~reshard.options.RefitOptions` as :meth:`~reshard.options.RefitOptions.to_json` writes it).
+Every option is checked when the info is made (the refit's by ``RefitOptions`` itself), before
+anything connects.
+
+    info = ReshardTrainerInitInfo(rank=0, master_address=host, master_port=port, num_trainer_ranks=2,
+                                  world_size=4, options=RefitOptions(method="hybrid", checksum=True))
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Mapping
 
 from vllm.distributed.weight_transfer.base import TrainerInitInfo
 
-from ...execution.methods import HYBRID, check_method
-from ...planning.hybrid import as_rule
-from ...refit.session import AUTO, DEFAULT_BUCKET_BYTES
+from ...options import RefitOptions
 from .plugin import BACKEND, register
 
 register()  # trainer processes run no vLLM engine, so no plugin loading: using the init info registers it
@@ -46,39 +49,27 @@ class ReshardTrainerInitInfo(TrainerInitInfo):
     world_size: int  # trainer ranks + every engine's workers
     num_trainer_ranks: int = 1
     engine_world_sizes: list[int] | None = None
-    # "auto" (hierarchical over NVLink domains when they exist), "reshard", "hierarchical", "hybrid"
-    # (hybrid_patterns by reshard, the other tensors by gather-and-broadcast), "gather-broadcast"
-    method: str = AUTO
-    max_bucket_bytes: int | None = DEFAULT_BUCKET_BYTES  # transfer staging cap per rank (two rounds in flight share it)
-    timeout_s: float = 300.0  # bounds every wait of the session
+    # the refit's options, the same on every rank: method, staging cap, timeout (bounds every wait of the
+    # session), checksum, hybrid rule (regular expressions: they cross to the workers as JSON), ...
+    options: RefitOptions = field(default_factory=RefitOptions)
     comm_backend: str | None = None  # "gloo" or "nccl"; default: nccl when CUDA is available
     pause_mode: str | None = "keep"  # vLLM's pause mode around each refit ("abort", "wait", "keep"), or None
-    checksum: bool = False  # an xxh3-64 digest per message, checked on arrival (catches corruption on the wire)
     # rank 0's extra wait for an engine's weight-sync call once its own side of the same step ended:
-    # a worker that stalls keeps vLLM's RPC busy, so gating its engine waits up to timeout_s + this
+    # a worker that stalls keeps vLLM's RPC busy, so gating its engine waits up to the timeout + this
     engine_grace_s: float = 30.0
-    # method "hybrid": regular expressions (re.search) of the tensors it moves by reshard; None: FFN and
-    # expert weights (reshard.planning.hybrid.FFN_PATTERNS); [] sends every tensor by gather-and-broadcast
-    hybrid_patterns: list[str] | None = None
 
     def __post_init__(self) -> None:
-        self._check_seconds()
-        if self.method != AUTO:
-            check_method(self.method)  # ValueError naming the methods
-        if self.hybrid_patterns is not None:
-            if self.method != HYBRID:
-                raise ValueError(f"hybrid_patterns is the rule of method 'hybrid', not of method {self.method!r}")
-            as_rule(self.hybrid_patterns)  # ValueError naming a pattern that is no regular expression
+        self.options = as_options(self.options)
+        value = self.engine_grace_s
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+            raise ValueError(f"engine_grace_s must be a finite number of seconds >= 0, got {value!r}")
         self._check_ranks()
         check_pause_mode(self.pause_mode)
 
-    def _check_seconds(self) -> None:
-        for name in ("timeout_s", "engine_grace_s"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value)
-                    and (value > 0 if name == "timeout_s" else value >= 0)):
-                raise ValueError(f"{name} must be a finite number of seconds (timeout_s > 0, engine_grace_s >= 0), "
-                                 f"got {value!r}")
+    @property
+    def timeout_s(self) -> float:
+        """The refit's timeout, in seconds."""
+        return self.options.timeout.total_seconds()
 
     def _check_ranks(self) -> None:
         if not 0 <= self.rank < self.num_trainer_ranks < self.world_size:
@@ -105,9 +96,15 @@ class ReshardTrainerInitInfo(TrainerInitInfo):
     def worker_init_info(self) -> dict[str, Any]:
         """The workers' init info (plain JSON), without ``engine_index``."""
         return {"store_addr": f"{self.master_address}:{self.master_port}", "world_size": self.world_size,
-                "rank_offsets": self.rank_offsets, "method": self.method,
-                "max_bucket_bytes": self.max_bucket_bytes, "timeout_s": self.timeout_s,
-                "comm_backend": self.comm_backend, "checksum": self.checksum, "hybrid_patterns": self.hybrid_patterns}
+                "rank_offsets": self.rank_offsets, "comm_backend": self.comm_backend, "options": self.options.to_json()}
 
 
-__all__ = ["PAUSE_MODES", "ReshardTrainerInitInfo", "check_pause_mode"]
+def as_options(options: RefitOptions | Mapping) -> RefitOptions:
+    """``options`` (a RefitOptions, or its JSON as :meth:`RefitOptions.to_json` wrote it) as a RefitOptions
+    that can cross to the workers as JSON (an ``OptionsError`` for one that holds code)."""
+    options = options if isinstance(options, RefitOptions) else RefitOptions.from_json(options)
+    options.to_json()
+    return options
+
+
+__all__ = ["PAUSE_MODES", "ReshardTrainerInitInfo", "as_options", "check_pause_mode"]

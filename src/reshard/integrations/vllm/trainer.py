@@ -84,7 +84,6 @@ from .source import ReshardSource
 from .threads import in_thread, outcome, with_pending_call
 
 logger = logging.getLogger(__name__)
-_NOTHING_MOVED = ("connect", "agreement")  # RefitError phases before any byte moves
 
 
 class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
@@ -132,9 +131,7 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
         with with_pending_call(pending, self.grace_s):
             self.session = RefitSession.connect(
                 source=side, store_addr=f"{info.master_address}:{info.master_port}", rank=info.rank,
-                world_size=info.world_size, backend=info.comm_backend, timeout=timedelta(seconds=info.timeout_s),
-                method=info.method, max_bucket_bytes=info.max_bucket_bytes, checksum=info.checksum,
-                hybrid_rule=info.hybrid_patterns)
+                world_size=info.world_size, backend=info.comm_backend, options=info.options)
 
     def reconnect(self, init_info: ReshardTrainerInitInfo | None = None, *,
                   client: VLLMWeightSyncClient | None = None) -> None:
@@ -178,7 +175,7 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
         engines = self._engines() if self.is_sender else []
         paused = [bool(mode) and hasattr(client, "pause_generation") for client in engines]
         # one thread per engine: a dead engine fails its own calls, the others join the refit that names it
-        rounds = [in_thread(self._engine_round, client, mode if pause else None, version, self.init_info.method)
+        rounds = [in_thread(self._engine_round, client, mode if pause else None, version, self.init_info.options.method)
                   for client, pause in zip(engines, paused)]
         try:
             self.last_stats = self.session.refit(version)
@@ -227,7 +224,7 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
 
     def _after_failure(self, error: Exception, version: str, engines: list, rounds: list[Future],
                        paused: list[bool]) -> None:
-        gate = getattr(error, "phase", None) not in _NOTHING_MOVED
+        gate = getattr(error, "moved", True)  # not a RefitError: assume the worst
         reason = f"the refit to weight version {version!r} failed ({error})"
 
         def handle(index: int, client) -> list[str]:
