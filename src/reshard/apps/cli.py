@@ -381,24 +381,17 @@ def _plan_parser(sub) -> argparse.ArgumentParser:
 
 
 def _plan(args) -> int:
+    """``reshard plan``: build the report (:mod:`reshard.apps.plan_report`), then print it or its JSON."""
     import json
-    import time
 
     from rich.console import Console
 
-    from ..frameworks.parallel import model_layouts
-    from ..planning.plan import plan
-    from ..planning.precision import DtypePolicy, precision_layout, precision_plan
     from ..tensors import LayoutError
-    from .report import render, render_precision, summarize
+    from .plan_report import (build_model_report, build_plan_report, plan_record, render_does_not_fit,
+                              render_model_report, render_plan_report, render_plots)
 
     console = Console(stderr=args.json)
-    infer = args.infer
-    if args.independent_engines and "independent" not in infer:
-        infer += ",independent"
     topo = None
-    policy = DtypePolicy.named("fp8") if args.precision == "fp8" else None
-    pp = None
     try:
         if args.topology is not None or args.plot is not None:
             from ..modeling.topology import Topology
@@ -408,98 +401,27 @@ def _plan(args) -> int:
             except ValueError as e:
                 raise ValueError(f"--topology: {e}") from None
         cap = cap_bytes(args.max_bucket_mb, "--max-bucket-mb")
-        refit = model_layouts(args.model, args.train, infer)
-        if policy is not None:  # a split through a block: one line naming the tensor, before any planning
-            precision_layout(refit.destination, policy)
-        t0 = time.perf_counter()
-        p = plan(refit.source, refit.destination, max_bucket_bytes=cap)
-        plan_s = time.perf_counter() - t0
-        if policy is not None:
-            t0 = time.perf_counter()
-            pp = precision_plan(refit.source, refit.destination, policy, max_bucket_bytes=cap)
-            fp8_s = time.perf_counter() - t0
-        summary = summarize(refit, p, baseline=not args.no_baseline, precision=pp)
+        report = build_plan_report(args.model, args.train, args.infer, independent_engines=args.independent_engines,
+                                   precision=args.precision, max_bucket_bytes=cap, baseline=not args.no_baseline)
     except (LayoutError, ValueError) as e:
         console.print(f"reshard plan: {e}", style="red", highlight=False, soft_wrap=True)
         return 2
-    wire = pp.wire if pp is not None else p
-    fingerprint = (pp or p).fingerprint()
-    out = {"model": args.model, "train": refit.train.describe(), "infer": refit.infer.describe(),
-           "engines": "independent" if refit.infer.independent else "one deployment",
-           "precision": args.precision, "tensors": summary["tensors"], "wire_bytes": wire.wire_bytes,
-           "max_send_bytes": max(wire.send_bytes.values(), default=0),
-           "max_recv_bytes": max(wire.recv_bytes.values(), default=0),
-           "gather_broadcast_bytes": summary.get("gather_broadcast"), "fingerprint": fingerprint,
-           **summary["precision"], "bf16_wire_bytes": p.wire_bytes}
     if not args.json:
-        render(summary, console, f"{args.model}: train {args.train} -> infer {refit.infer.describe()}"
-               + (", the BF16 plan (FP8 below)" if pp is not None else ""))
-        if pp is not None:
-            render_precision(summary, console)
-        console.print(f"layouts built in {refit.build_s:.2f} s, planned in {plan_s:.2f} s"
-                      + (f" (FP8 plan {fp8_s:.2f} s)" if pp is not None else "") + f"; fingerprint {fingerprint}")
+        render_plan_report(report, console)
+    modeled = None
     if topo is not None:
-        from ..modeling.pipeline import RefitModel
-        from ..modeling.topology import Placement
-        from .simulate import METHODS, GiB, fit, model_figures
-
-        reason = fit(refit, topo, policy)
-        out.update(topology=topo.name, fits=reason is None, does_not_fit=reason)
-        if reason is not None:  # the weights alone exceed a GPU: no time to model
-            out.update(modeled_s=dict.fromkeys(METHODS))
-            console.print(f"[red]{reason}[/]: not modeled", highlight=False)
-            if args.json:
-                print(json.dumps(out, indent=1))
-            return 0
-        place = Placement.contiguous(topo, refit.train_world, refit.infer_world, infer_start="domain")
-        m = RefitModel.build(refit.source, refit.destination, topo, placement=place, direct=p, precision=pp,
-                             max_bucket_bytes=p.max_bucket_bytes)
-        if args.topology is not None:
-            figures = model_figures(m, rounds_cap=p.max_bucket_bytes or GiB)
-            out.update(figures)
-            if not args.json:
-                _print_figures(console, topo, place, figures, fp8=pp is not None)
-        if args.plot is not None:
-            stem = f"{args.model}-{args.train}-{infer}".replace(",", "_").replace(":", "_")
-            if pp is not None:
-                stem += "-fp8"
-            paths = m.write_plots(args.plot, stem, args.model)
-            _, est = m.estimate(m.reshard)
-            b = est.bottleneck
-            console.print(f"plots modeled on {topo.name} ({place.describe()}): {est.seconds:.3f} s"
-                          + (f"; bottleneck {b.describe()}" if b else ""), highlight=False)
-            for path in paths:
-                console.print(f"wrote {path}", highlight=False)
+        modeled = build_model_report(report, topo, figures=args.topology is not None, plots=args.plot is not None)
+        if modeled.does_not_fit is not None:
+            render_does_not_fit(modeled, console)
+        else:
+            if modeled.figures is not None and not args.json:
+                render_model_report(modeled, console)
+            if args.plot is not None:
+                paths = modeled.refit_model.write_plots(args.plot, report.plot_stem, args.model)
+                render_plots(modeled, paths, console)
     if args.json:
-        print(json.dumps(out, indent=1))
+        print(json.dumps(plan_record(report, modeled), indent=1))
     return 0
-
-
-def _print_figures(console, topo, place, f: dict, fp8: bool = False) -> None:
-    """The modeled times of ``reshard plan --topology``."""
-    from rich.table import Table
-
-    t = Table(title=f"modeled on {topo.name} ({place.describe()})" + (", FP8 destination" if fp8 else ""))
-    for col in ("method", "modeled s", "x ours"):
-        t.add_column(col, justify="left" if col == "method" else "right")
-    ours = f["modeled_s"]["hierarchical"] or f["modeled_s"]["direct"]
-    labels = {"hierarchical": "reshard, hierarchical", "direct": "reshard, direct",
-              "hybrid": "hybrid (FFN + experts by reshard, rest broadcast)",
-              "gather_broadcast": "gather-and-broadcast (best implementation)",
-              "gather_broadcast_naive": "gather-and-broadcast, naive (one root)"}
-    for k, label in labels.items():
-        v = f["modeled_s"][k]
-        t.add_row(label, "-" if v is None else f"{v:.3f}", "-" if v is None else f"{v / ours:.2f}")
-    t.add_row("lower bound", f"{f['lower_bound_s']:.3f}", f"{f['lower_bound_s'] / ours:.2f}")
-    t.add_row("lower bound, the job's NICs only", f"{f['lower_bound_job_s']:.3f}",
-              f"{f['lower_bound_job_s'] / ours:.2f}")
-    console.print(t)
-    console.print(f"lower bound set by {f['lower_bound_term']}; ours / bound {f['ours_over_bound']:.2f}; "
-                  f"bottleneck {f['bottleneck']}", highlight=False)
-    if fp8:
-        console.print("FP8 (modeled): reshard and the bounds move the FP8 plan's wire; the hybrid and "
-                      "gather-and-broadcast move BF16 and the engine quantizes on load (assumed, as vLLM does "
-                      "with BF16 weights for an FP8 model); quantize compute time not modeled", highlight=False)
 
 
 def _simulate_parser(sub) -> argparse.ArgumentParser:
