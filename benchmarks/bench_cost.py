@@ -40,7 +40,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from bench_refit import parse_configs, print_header, spawn_for_json  # noqa: E402  (benchmarks/ is on the path when run as a script)
+from reshard.apps.bench_support import parse_configs, print_header, spawn_for_json
 from rich.console import Console
 from rich.table import Table
 

@@ -53,11 +53,12 @@ def test_incast_bottleneck_is_the_receivers_nic():
 
 
 def test_pack_unpack_and_latency_add_per_round():
-    # 1000 bytes, one pair, staging cap 272 B -> 4 rounds (quota 256 = cap - 16 B of alignment room)
+    # 1000 bytes, one pair, staging cap 544 B: rounds of 272 B (two in flight) -> 4 rounds (quota 256 =
+    # the round's 272 B - 16 B of alignment room)
     topo = Topology.preset("dgx-h100").with_(nic_bytes_per_s=1000.0, net_latency_s=1.0, launch_latency_s=0.5,
                                              message_overhead_s=0.25, copy_bytes_per_s=4000.0)
     place = Placement.contiguous(topo, 8, 8)
-    tr = traffic_from_pairs([{(0, 8): 1000}], place, max_bucket_bytes=272)
+    tr = traffic_from_pairs([{(0, 8): 1000}], place, max_bucket_bytes=544)
     assert tr.phases[0].rounds == 4
     assert tr.phases[0].bytes[:, 0, 0].tolist() == [256, 256, 256, 232]
     # sequential, per round: latency 1.5 + pack (b/4000 + 0.25) + b/1000 + unpack (b/4000 + 0.25)
@@ -78,9 +79,9 @@ def test_rounds_match_the_planners_schedule():
     spec = rs.TensorSpec("w", (64, 64), torch.float32)
     src = rs.Layout.from_placements(spec, [0, 1], (2,), [rs.Shard(0)])
     dst = rs.Layout.from_placements(spec, [2, 3], (2,), [rs.Shard(1)])
-    plan = rs.plan(src, dst, max_bucket_bytes=2048)
+    plan = rs.plan(src, dst, max_bucket_bytes=4096)  # rounds of 2 KiB: two in flight
     place = Placement.contiguous(bare(), 2, 2)
-    approx = traffic_from_pairs([plan.pair_bytes], place, max_bucket_bytes=2048)
+    approx = traffic_from_pairs([plan.pair_bytes], place, max_bucket_bytes=4096)
     exact = traffic_from_plan(plan, place)
     assert exact.phases[0].rounds == plan.num_rounds > 1
     # from payload bytes alone (no alignment padding) the rounds can come out one short

@@ -203,8 +203,8 @@ def _demo_parser(sub) -> argparse.ArgumentParser:
                         "executors cast to --dtype on the sender (default: same as --dtype)")
     r = p.add_argument_group("run")
     r.add_argument("--max-bucket-mb", type=_cap_mb, default=64.0,
-                   help="staging cap per rank in MiB (max_bucket_bytes): the reshard executor splits the transfer "
-                        "into rounds so that its send + receive staging stays under it; 0 means no cap "
+                   help="staging cap per rank in MiB (max_bucket_bytes): the most a rank stages at once; the "
+                        "transfer runs in rounds, two in flight, each under half of it; 0 means no cap "
                         "(default %(default)s)")
     r.add_argument("--repeat", type=_positive, default=1,
                    help="runs per method; the table reports the best (each run's time is its slowest rank's); "
@@ -343,7 +343,9 @@ def _plan_parser(sub) -> argparse.ArgumentParser:
                    help="read the vLLM spec's dp as that many independent engines (as most RL stacks run "
                         "them), not one deployment with data_parallel_size=dp")
     p.add_argument("--max-bucket-mb", type=_cap_mb, default=0,
-                   help="staging cap per rank in MiB for the plan's rounds (default: none)")
+                   help="staging cap per rank in MiB: the most a rank stages at once; the plan's rounds get half "
+                        "of it each (two are in flight), so the plan stages what a refit session given the same "
+                        "cap stages (default: none)")
     p.add_argument("--no-baseline", action="store_true", help="skip the gather-and-broadcast byte count")
     p.add_argument("--precision", choices=("bf16", "fp8"), default="bf16",
                    help="destination precision: bf16 (default: the inference layout's dtype, as vLLM loads it) or "
@@ -373,7 +375,7 @@ def _plan_parser(sub) -> argparse.ArgumentParser:
                         "not modeled), lower_bound_s (domain ingress over all of a domain's NICs), "
                         "lower_bound_term, lower_bound_job_s (over the job's NICs only), ours_over_bound, speedup (ours vs "
                         "hybrid, gather_broadcast, gather_broadcast_naive), bottleneck, cross_domain_bytes; "
-                        "rounds use a 1 GiB staging cap unless --max-bucket-mb is set, broadcasts 1 GiB buckets; "
+                        "rounds use a 2 GiB staging cap (1 GiB rounds) unless --max-bucket-mb is set, broadcasts 1 GiB buckets; "
                         "always precision, wire_bytes_by_precision ({fp8, scales, raw, other}), wire_bytes_by_dtype, "
                         "blocks ({at_source, at_destination}) and bf16_wire_bytes (the BF16 plan's, to compare)")
     p.set_defaults(func=_plan, check=_check_plan, parser=p)
@@ -447,8 +449,9 @@ def _simulate_parser(sub) -> argparse.ArgumentParser:
                    help="folder for the chart (default ./%(default)s)")
     p.add_argument("--png", metavar="PATH", default=None,
                    help="chart path (default: OUT/simulate.png; '' for no chart)")
-    p.add_argument("--bucket-mb", type=_positive_number, default=1024,
-                   help="staging cap per GPU in MiB, which sets the rounds (default %(default)s)")
+    p.add_argument("--bucket-mb", type=_positive_number, default=2048,
+                   help="staging cap per GPU in MiB: the most a GPU stages at once, two rounds in flight sharing it, "
+                        "as a refit session given the same cap (default %(default)s: rounds of 1 GiB)")
     p.add_argument("--json", default=None,
                    help="also write the results as JSON here: per case the fields of `reshard plan --json`")
     p.add_argument("--precision", choices=("bf16", "fp8"), default=None,

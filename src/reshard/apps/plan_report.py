@@ -121,7 +121,7 @@ def _plan_keys(report: PlanReport) -> dict:
 
 def build_model_report(report: PlanReport, topology: Topology, *, figures: bool, plots: bool) -> ModelReport:
     """Model ``report``'s refit on ``topology``: whether its weights fit, and (``figures``) every modeled
-    figure, with reshard's rounds under the plan's staging cap (1 GiB without one) and 1 GiB broadcast
+    figure, with reshard's rounds under the plan's staging cap (2 GiB without one: rounds of 1 GiB) and 1 GiB broadcast
     buckets; ``plots``: the estimate the plots show."""
     from ..modeling.pipeline import RefitModel
     from ..modeling.topology import Placement
@@ -139,7 +139,7 @@ def build_model_report(report: PlanReport, topology: Topology, *, figures: bool,
                                    precision=report.precision_plan, max_bucket_bytes=direct.max_bucket_bytes)
     modeled = None
     if figures:
-        modeled = model_figures(refit_model, rounds_cap=direct.max_bucket_bytes or GiB)
+        modeled = model_figures(refit_model, rounds_cap=direct.max_bucket_bytes or 2 * GiB)
         record.update(modeled)
     plot_estimate = refit_model.estimate(refit_model.reshard)[1] if plots else None
     return ModelReport(topology, place, None, refit_model, modeled, plot_estimate, fp8, record)

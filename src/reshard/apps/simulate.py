@@ -151,10 +151,11 @@ def fit(lay: ModelLayouts, topology: Topology, policy: DtypePolicy | None = None
     return None
 
 
-def model_figures(m: RefitModel, *, rounds_cap: int | None = GiB, bucket_bytes: int | None = GiB) -> dict:
+def model_figures(m: RefitModel, *, rounds_cap: int | None = 2 * GiB, bucket_bytes: int | None = GiB) -> dict:
     """Every modeled figure of one refit: seconds per method, the bound and its binding term, bytes.
 
-    ``rounds_cap``: the staging cap per GPU that sets reshard's rounds; ``bucket_bytes``: the
+    ``rounds_cap``: the staging cap per GPU that sets reshard's rounds (default 2 GiB: two 1 GiB
+    rounds in flight); ``bucket_bytes``: the
     broadcast buckets of gather-and-broadcast and of the hybrid's broadcast part.
     """
     modeled: dict[str, float | None] = dict.fromkeys(METHODS)
@@ -244,7 +245,7 @@ def fp8_problem(lay: ModelLayouts) -> tuple[Layout | None, str | None]:
         return None, f"FP8 does not fit this layout: {e}"
 
 
-def simulate_case(case: Case, *, max_bucket_bytes: int = GiB, gather_bucket_bytes: int | None = GiB,
+def simulate_case(case: Case, *, max_bucket_bytes: int = 2 * GiB, gather_bucket_bytes: int | None = GiB,
                   topology: Topology | None = None, precision: str | None = None) -> Result:
     """Build, plan and model one case (tens of seconds for the biggest) in ``precision`` (default: the
     case's own)."""

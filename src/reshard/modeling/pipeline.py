@@ -50,11 +50,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..layout import Layout
+from ..options import RefitOptions
 from ..planning.baseline import stage_sends
-from ..planning.hierarchy import HierarchicalPlan, domain_need_bytes, hierarchical_plan
+from ..planning.hierarchy import HierarchicalPlan, domain_need_bytes
 from ..planning.hybrid import HybridRule, split_layout
+from ..planning.methods import HIERARCHICAL, METHODS, RESHARD
 from ..planning.plan import PhasedPlan, Plan
-from ..planning.precision import PrecisionPlan, precision_plan
+from ..planning.precision import PrecisionPlan
 from .baseline_time import gather_broadcast_fair_time, gather_broadcast_time_of
 from .bound import Bound, Demand, lower_bound
 from .estimate import Estimate
@@ -80,18 +82,24 @@ class RefitModel:
     @classmethod
     def build(cls, source: Layout, destination: Layout, topology: Topology, *, placement: Placement | None = None,
               infer_start: str = "next", max_bucket_bytes: int | None = None, direct: Plan | None = None,
-              policy=None, precision: PrecisionPlan | None = None) -> "RefitModel":
+              policy=None, precision: PrecisionPlan | None = None, options: RefitOptions | None = None
+              ) -> "RefitModel":
         """Place the ranks (default: training ranks on GPUs ``0..M-1``, inference ranks from
-        ``infer_start``, see :meth:`Placement.contiguous`) and plan the refit both ways, with the
-        staging cap ``max_bucket_bytes``; ``direct`` reuses a direct plan already made. ``policy``
-        (a :class:`~reshard.planning.precision.DtypePolicy` or a name, ``"fp8"``) plans the refit in
-        those destination precisions (see module doc); ``precision`` reuses such a plan already made
-        (its direct wire plan)."""
+        ``infer_start``, see :meth:`Placement.contiguous`) and plan the refit both ways, as the
+        methods of the registry plan it (:mod:`reshard.planning.methods`), under ``options`` (a
+        :class:`~reshard.options.RefitOptions`: its staging cap and dtype policy; default: the
+        staging cap ``max_bucket_bytes`` and the dtype policy ``policy``, a
+        :class:`~reshard.planning.precision.DtypePolicy` or a name, ``"fp8"``: see module doc).
+        ``direct`` reuses a direct plan already made; ``precision`` a precision plan (its direct wire
+        plan)."""
+        if options is None:
+            options = RefitOptions(max_bucket_bytes=max_bucket_bytes, precision=policy)
         if placement is None:
             placement = Placement.contiguous(topology, len(source.ranks), len(destination.ranks),
                                              infer_start=infer_start)
-        if precision is None and policy is not None:
-            precision = precision_plan(source, destination, policy, max_bucket_bytes=max_bucket_bytes)
+        direct_options = options.replace(method=RESHARD, domains=None, hybrid_rule=None)
+        if precision is None and options.precision is not None:
+            precision = METHODS[RESHARD].make(source, destination, direct_options)
         if precision is not None:  # plan the wire: its layouts hold the staging buffers of the quantization
             if precision.domains is not None:
                 raise ValueError("RefitModel.build takes a direct PrecisionPlan (no domains); it plans the "
@@ -101,11 +109,12 @@ class RefitModel:
         else:
             plan_src, plan_dst = source, destination
             if direct is None:
-                direct = Plan(source, destination, max_bucket_bytes=max_bucket_bytes)
+                direct = METHODS[RESHARD].make(source, destination, direct_options)
         hier = None
-        if topology.gpus_per_domain > 1:
+        if topology.gpus_per_domain > 1:  # the wire of a precision plan is planned as the raw layouts are
             domains = dict(enumerate(placement.domain_of.tolist()))
-            hier = hierarchical_plan(plan_src, plan_dst, domains, max_bucket_bytes=max_bucket_bytes)
+            hier = METHODS[HIERARCHICAL].make(plan_src, plan_dst, direct_options.replace(
+                method=HIERARCHICAL, precision=None, domains=domains))
         return cls(source, destination, topology, placement, direct, hier, precision)
 
     @property
@@ -132,9 +141,9 @@ class RefitModel:
     def gather_broadcast(self, bucket_bytes: int | None = None, *, variant: str = "fair") -> Estimate:
         """Gather-and-broadcast modeled on the same links, per bucket of ``bucket_bytes`` (``None``: one
         tensor a bucket). ``variant="fair"``: as its best implementations run it, a root per pipeline
-        stage, multi-rail NCCL rings, buckets overlapped (:func:`~reshard.modeling.cost.gather_broadcast_fair_time`);
+        stage, multi-rail NCCL rings, buckets overlapped (:func:`~reshard.modeling.baseline_time.gather_broadcast_fair_time`);
         ``"naive"``: one root gathers everything and broadcasts it from its one NIC, bucket after bucket
-        (:func:`~reshard.modeling.cost.gather_broadcast_time`)."""
+        (:func:`~reshard.modeling.baseline_time.gather_broadcast_time`)."""
         if variant not in ("fair", "naive"):
             raise ValueError(f"variant must be 'fair' or 'naive', got {variant!r}")
         key = ("gather-broadcast", variant, bucket_bytes)
@@ -172,11 +181,11 @@ class RefitModel:
         dst_r, dst_b = split_layout(self.destination, rule)
         parts: list[tuple[str, Estimate]] = []
         if any(len(t) for t in dst_r.tables.values()):
-            if self.topology.gpus_per_domain > 1:
-                domains = dict(enumerate(self.placement.domain_of.tolist()))
-                plan = hierarchical_plan(src_r, dst_r, domains, max_bucket_bytes=self.direct.max_bucket_bytes)
-            else:
-                plan = Plan(src_r, dst_r, max_bucket_bytes=self.direct.max_bucket_bytes)
+            # the hybrid's reshard part, as the hybrid method plans it (hierarchical where there are domains)
+            domains = dict(enumerate(self.placement.domain_of.tolist())) if self.topology.gpus_per_domain > 1 else None
+            method = HIERARCHICAL if domains else RESHARD
+            plan = METHODS[method].make(src_r, dst_r, RefitOptions(
+                method=method, max_bucket_bytes=self.direct.max_bucket_bytes, domains=domains))
             parts.append(("reshard", model_time(self.traffic(plan, rounds_cap=rounds_cap), self.topology)))
         if any(len(t) for t in dst_b.tables.values()):
             parts.append(("broadcast", gather_broadcast_fair_time(stage_sends(src_b, dst_b), dst_b.ranks,
@@ -232,7 +241,7 @@ class RefitModel:
         return hit
 
     def lower_bound(self, *, ingress: str = "domain") -> Bound:
-        """What no refit can beat on these links (:func:`~reshard.modeling.cost.lower_bound`): ``ingress="domain"``
+        """What no refit can beat on these links (:func:`~reshard.modeling.bound.lower_bound`): ``ingress="domain"``
         lets a refit use every NIC of an NVLink domain it touches, ``"job"`` only its own GPUs' NICs."""
         return lower_bound(self.demand(), self.placement, self.topology, ingress=ingress)
 
@@ -252,7 +261,7 @@ class RefitModel:
 
 @dataclass(frozen=True)
 class _Refit:
-    """The layouts and tensors of a refit, all :func:`~reshard.modeling.cost.gather_broadcast_time_of`
+    """The layouts and tensors of a refit, all :func:`~reshard.modeling.baseline_time.gather_broadcast_time_of`
     reads of a plan."""
 
     source: Layout

@@ -187,11 +187,13 @@ def _link_kind(placement: Placement, src: np.ndarray, dst: np.ndarray) -> tuple[
 def _round_quotas(src: np.ndarray, dst: np.ndarray, pair_bytes: np.ndarray,
                   quotas: Mapping[tuple[int, int], int] | None, max_bucket_bytes: int | None) -> np.ndarray:
     """Bytes per round of each pair: from ``quotas`` if given, else the planner's rule
-    (:func:`reshard.planning.schedule.pair_quotas`) applied to payload bytes alone (the planner also
-    counts each copy's alignment padding, unknown here). A pair with no quota goes in one round."""
+    (:func:`reshard.planning.schedule.pair_quotas` at :func:`~reshard.planning.schedule.round_cap` of a
+    rank's staging cap ``max_bucket_bytes``) applied to payload bytes alone (the planner also counts
+    each copy's alignment padding, unknown here). A pair with no quota goes in one round."""
     if quotas is None:
         payload = {(s, d): nbytes for s, d, nbytes in zip(src.tolist(), dst.tolist(), pair_bytes.tolist())}
-        quotas = schedule.pair_quotas({pair: int(nbytes) for pair, nbytes in payload.items()}, max_bucket_bytes)
+        quotas = schedule.pair_quotas({pair: int(nbytes) for pair, nbytes in payload.items()},
+                                      schedule.round_cap(max_bucket_bytes))
     quota = np.array([quotas[(s, d)] if quotas.get((s, d)) is not None else np.inf
                       for s, d in zip(src.tolist(), dst.tolist())], np.float64)
     quota = np.where(np.isinf(quota), np.maximum(pair_bytes, 1), quota)  # unbounded: one chunk

@@ -11,13 +11,13 @@ every byte of every tensor. Per-rank bytes for tensor ``t`` on 4 -> 3 ranks (roo
 
 Its executor (:class:`~reshard.execution.gather_broadcast.GatherBroadcastExecutor`) runs
 :func:`gather_plan` and NCCL/gloo broadcasts; the cost model's naive variant
-(:func:`~reshard.modeling.cost.gather_broadcast_time_of`) models the same steps from
+(:func:`~reshard.modeling.baseline_time.gather_broadcast_time_of`) models the same steps from
 :func:`gather_sends`; ``reshard plan`` counts :func:`gather_broadcast_bytes`.
 
 The best implementations gather per pipeline stage instead, each stage into its own root, and
 broadcast from all the roots at once: :func:`stage_groups` finds the stages of a source layout
 (ranks that hold parts of one tensor), :func:`stage_sends` what each gathers, the input of the
-cost model's fair variant (:func:`~reshard.modeling.cost.gather_broadcast_fair_time`).
+cost model's fair variant (:func:`~reshard.modeling.baseline_time.gather_broadcast_fair_time`).
 
 >>> import torch, reshard as rs
 >>> spec = rs.TensorSpec("w", (4, 6), torch.float32)
@@ -142,7 +142,7 @@ def gather_broadcast_bytes(plan: Plan, root: int | None = None) -> dict[str, int
 
 def gather_sends(plan: Plan, root: int | None = None) -> tuple[list[str], list[int], list[dict[int, int]]]:
     """Per tensor of ``plan``: (names, full bytes in the destination dtype, ``{source rank: bytes it
-    sends to root}``), the input of :func:`~reshard.modeling.cost.gather_broadcast_time`.
+    sends to root}``), the input of :func:`~reshard.modeling.baseline_time.gather_broadcast_time`.
 
     Pieces with the same box on several ranks are replicas: a box root holds is not sent; any
     other box's bytes are split evenly over its holders (what the planner's balanced choice of
@@ -208,7 +208,7 @@ def stage_groups(source: Layout) -> list[tuple[int, ...]]:
 
 def stage_sends(source: Layout, destination: Layout) -> list[Stage]:
     """Per pipeline stage (:func:`stage_groups`), what it gathers into its root: the input of
-    :func:`~reshard.modeling.cost.gather_broadcast_fair_time`. Tensors with no destination piece
+    :func:`~reshard.modeling.baseline_time.gather_broadcast_fair_time`. Tensors with no destination piece
     are left out; each of the others belongs to the one stage whose ranks hold it."""
     groups = stage_groups(source)
     root_of = {r: g[0] for g in groups for r in g}
