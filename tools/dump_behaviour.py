@@ -372,8 +372,21 @@ def value_error(make) -> list[str]:
     return ["no error", ""]
 
 
+REFIT_FIELDS = {"method": "method", "max_bucket_bytes": "max_bucket_bytes", "checksum": "checksum",
+                "timeout_s": "timeout_s", "hybrid_patterns": "hybrid_rule"}  # the init info's old flat fields
+
+
+def trainer_info(trainer_cls, fields: dict):
+    """The init info of ``fields``, in the form the code takes: since issue 18 the refit's options go in
+    one ``options`` field (RefitOptions JSON), before it they were flat fields."""
+    if "options" in {f.name for f in dataclasses.fields(trainer_cls)}:
+        refit = {REFIT_FIELDS[k]: v for k, v in fields.items() if k in REFIT_FIELDS}
+        fields = {**{k: v for k, v in fields.items() if k not in REFIT_FIELDS}, "options": refit}
+    return trainer_cls(**fields)
+
+
 def trainer_info_record(trainer_cls, worker_cls, fields: dict) -> dict:
-    info = trainer_cls(**fields)
+    info = trainer_info(trainer_cls, fields)
     rec = {"fields": init_info_fields(info), "engine_sizes": info.engine_sizes, "rank_offsets": info.rank_offsets,
            "engine_ranks": [info.engine_ranks(i) for i in range(len(info.engine_sizes))]}
     worker = info.worker_init_info()
@@ -394,9 +407,9 @@ def vllm_init_records() -> dict:
                                                             fields)
            for name, fields in TRAINER_INFOS.items()}
     base = TRAINER_INFOS["one engine"]
-    out["vllm init trainer errors"] = {name: value_error(lambda bad=bad: ReshardTrainerInitInfo(**{**base, **bad}))
+    out["vllm init trainer errors"] = {name: value_error(lambda bad=bad: trainer_info(ReshardTrainerInitInfo, {**base, **bad}))
                                        for name, bad in BAD_TRAINER_INFOS.items()}
-    worker = ReshardTrainerInitInfo(**base).worker_init_info()
+    worker = trainer_info(ReshardTrainerInitInfo, base).worker_init_info()
     out["vllm init worker errors"] = {
         name: value_error(lambda bad=bad: ReshardWeightTransferInitInfo(**{**worker, **bad}))
         for name, bad in BAD_WORKER_INFOS.items()}
