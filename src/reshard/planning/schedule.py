@@ -1,8 +1,9 @@
 """Messages and rounds: how a rank's copies become bounded, packed transfers.
 
-All copies from rank ``s`` to rank ``d`` form one ordered stream. With a staging
-cap ``B`` (``max_bucket_bytes``), every stream gets a per-round quota in proportion to
-its size (:func:`pair_quotas`)::
+All copies from rank ``s`` to rank ``d`` form one ordered stream. A rank's staging cap
+(``max_bucket_bytes``: the most it stages at once) is shared by the two rounds in flight, so
+each round gets ``B = round_cap(max_bucket_bytes)``, half of it (:func:`round_cap`); every
+stream gets a per-round quota of ``B`` in proportion to its size (:func:`pair_quotas`)::
 
     q(s, d) = max(ALIGN, (B - ALIGN * max(n_s, n_d)) * A(s, d) / max(T_s, T_d))   rounded down to ALIGN
 
