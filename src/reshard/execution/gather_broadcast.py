@@ -136,9 +136,12 @@ class GatherBroadcastExecutor(Executor):
                                  {n: dst_buffers[n] for n in sorted(written)})
                 or (None if self.allow_lossy else self._cast_problem(src_buffers)))
 
+    def cast_pairs(self) -> list[tuple[str, object]]:
+        """``(source buffer, destination dtype)`` of every copy this rank makes from a source buffer."""
+        return [(c.src_buffer, c.dtype) for cs in list(self.sends.values()) + list(self.local.values()) for c in cs]
+
     def _cast_problem(self, src_buffers: Buffers) -> str | None:
-        pairs = [(c.src_buffer, c.dtype) for cs in list(self.sends.values()) + list(self.local.values()) for c in cs]
-        return lossy_cast_problem(self.rank, src_buffers, pairs, "GatherBroadcastExecutor")
+        return lossy_cast_problem(self.rank, src_buffers, self.cast_pairs(), "GatherBroadcastExecutor")
 
     def close(self) -> None:
         """Release the broadcast group (local, not collective; idempotent). The executor cannot run after."""

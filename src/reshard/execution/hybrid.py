@@ -127,11 +127,9 @@ class HybridExecutor(Executor):
     def _cast_problem(self, src: Buffers) -> str | None:
         """Values of a source buffer the broadcast part's cast to the destination dtype would lose (the
         reshard executor checks its own part)."""
-        b = self.broadcaster
-        if b is None:
+        if self.broadcaster is None:
             return None
-        pairs = [(c.src_buffer, c.dtype) for cs in list(b.sends.values()) + list(b.local.values()) for c in cs]
-        return lossy_cast_problem(self.rank, src, pairs, "HybridExecutor")
+        return lossy_cast_problem(self.rank, src, self.broadcaster.cast_pairs(), "HybridExecutor")
 
     # ------------------------------------------------------------------ run
     def run(self, src_buffers: Buffers, dst_buffers: Buffers, *, decide: bool = True) -> RunStats:
