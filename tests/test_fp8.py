@@ -348,6 +348,39 @@ def test_fp8_refit_equals_the_reference_quantizer_bit_for_bit(case):
     assert sum(by_path.values()) == plan.wire_bytes == sum(plan.wire_bytes_by_dtype().values())
 
 
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(fp8_cases(), st.sampled_from([("hybrid", ("up_proj",)), ("hybrid", ("norm", "lm_head")), ("gather-broadcast", None),
+                                     ("hierarchical", None)]))
+def test_every_method_takes_a_dtype_policy(case, method_rule):
+    """Precision is a transform of any method's plan: the registry plans the method on the wire tensors,
+    the precision executor runs around the method's executor, and the engine's bytes are the reference
+    quantizer's. Gather-and-broadcast quantizes every block on the receivers; the hybrid rule picks a
+    wire tensor by the tensor it carries."""
+    from reshard.execution.methods import make_plan
+
+    src, dst, policy, bucket, full = case
+    method, rule = method_rule
+    extra = {"hybrid_rule": list(rule)} if rule else {}
+    if method == "hierarchical":
+        extra["domains"] = {r: r // 3 for r in range(6)}
+    options = rs.RefitOptions(method=method, precision=policy, max_bucket_bytes=bucket, **extra)
+    plan = make_plan(options, src, dst)
+    out = {r: plan.destination.empty_buffers(r) for r in plan.destination.ranks}
+    run_local_precision(plan, {r: src.materialize(r, full) for r in src.ranks}, out)
+    for r in plan.destination.ranks:
+        for b, t in _expected(plan, r, full, _zeros).items():
+            assert same_bits(out[r][b], t), (method, r, b)
+    paths = plan.block_paths("mlp.up_proj.weight")
+    if method == "gather-broadcast":
+        assert (paths == DESTINATION).all()
+    if method == "hybrid":  # its broadcast part quantizes on the receivers
+        assert (paths == DESTINATION).all() or rs.HybridRule(patterns=rule)("mlp.up_proj.weight")
+    if method == "hybrid":  # the values, scales and raw blocks of one tensor go one way
+        names = (plan.wire.reshard.tensors if plan.wire.reshard is not None else [])
+        carried = {n.split("@")[0].removesuffix("_scale_inv") for n in names}
+        assert all(rs.HybridRule(patterns=rule)(n) for n in carried), names
+
+
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(fp8_cases())
 def test_hierarchical_fp8_refit_is_exact_too(case):
@@ -398,7 +431,29 @@ def _gloo_fp8(rank, world, store_addr):
                                              r"layout says \(384, 200\) torch.float8_e4m3fn"):
         ex.run(sb, db)
     assert all(same_bits(db[k], v) for k, v in before.items())
+    _methods_fp8(rank, src, dst, full)
     _session_fp8(rank, world, store_addr, src, dst, full)
+
+
+def _methods_fp8(rank, src, dst, full):
+    """The same refit by the hybrid and gather-broadcast methods under the FP8 policy: the precision
+    executor around each method's executor (collective construction: each splits a subgroup)."""
+    from datetime import timedelta
+
+    from reshard.execution.methods import make_executor, make_plan
+
+    phase_names = {"hybrid": ["quantize at source", "transfer", "gather", "broadcast", "quantize at destination"],
+                   "gather-broadcast": ["quantize at source", "gather", "broadcast", "quantize at destination"]}
+    for method, rule in (("hybrid", ["q_proj"]), ("gather-broadcast", None)):
+        options = rs.RefitOptions(method=method, precision="fp8", timeout=timedelta(seconds=60),
+                                  **({"hybrid_rule": rule} if rule else {}))
+        plan = make_plan(options, src, dst)
+        db = {k: _sentinel(*v) for k, v in plan.destination.buffers(rank).items()}
+        with make_executor(options, plan) as ex:
+            stats = ex.run(src.materialize(rank, full) if rank in src.ranks else {}, db)
+        assert [p.name for p in stats.phases] == phase_names[method], (method, [p.name for p in stats.phases])
+        for k, want in (_expected(plan, rank, full, _sentinel) if rank in dst.ranks else {}).items():
+            assert same_bits(db[k], want), (method, rank, k)
 
 
 def _session_fp8(rank, world, store_addr, src, dst, full):
@@ -442,8 +497,8 @@ def _session_fp8(rank, world, store_addr, src, dst, full):
 
 
 @pytest.mark.parametrize("options, match", [
-    (dict(method="hybrid", precision="fp8"), "method 'hybrid' does not take option 'precision'"),
-    (dict(method="gather-broadcast", precision="fp8"), "method 'gather-broadcast' does not take option 'precision'"),
+    (dict(method="gather-broadcast", precision="fp8", checksum=True), "method 'gather-broadcast' does not take "
+                                                                       "option 'checksum'"),
     (dict(precision="fp4"), "unknown precision 'fp4'"),
     (dict(precision=3), "dtype policy 3"),
 ])

@@ -23,7 +23,7 @@ naming both:
 >>> RefitOptions(method="gather-broadcast", checksum=True)
 Traceback (most recent call last):
 ...
-reshard.errors.OptionsError: method 'gather-broadcast' does not take option 'checksum' (it takes allow_lossy, max_bucket_bytes, method, timeout)
+reshard.errors.OptionsError: method 'gather-broadcast' does not take option 'checksum' (it takes allow_lossy, max_bucket_bytes, method, precision, timeout)
 >>> RefitOptions(max_bucket_bytes=64 << 20).round_bytes == 32 << 20
 True
 """

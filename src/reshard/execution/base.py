@@ -11,6 +11,10 @@ Call sequence, on every rank of the group (sources, destinations, colocated rank
                                                   # may have moved), and the step it was in
     ex.close()                                    # releases what it holds (subgroups); idempotent
 
+A composite executor (the precision executor, around any method's executor) runs the parts of
+``run`` itself: ``buffers_used()`` (what this rank reads and writes), ``move(src, dst, device)``
+(the bytes alone) and ``fail(error)`` (breaks the group and any subgroup, so every rank hears).
+
 ``src_buffers`` / ``dst_buffers`` are ``{buffer name: tensor}`` of this rank (empty where the
 rank holds none); destination tensors are written in place. Before any byte moves, every rank
 checks its buffers against the plan and all ranks compare plan fingerprints and :attr:`Executor.options`
@@ -23,10 +27,10 @@ Executors receive finished plans: they plan nothing themselves.
 
 Capability flags (class attributes) say what an executor guarantees:
 
-    flag               reshard  hybrid  gather-broadcast  precision
-    needed_bytes_only  yes      no      no                yes
-    bounded_staging    yes      no      no                yes (plus the quantization staging)
-    collective_setup   no       yes     yes               no
+    flag               reshard  hybrid  gather-broadcast  precision (around a method's executor)
+    needed_bytes_only  yes      no      no                the method's
+    bounded_staging    yes      no      no                the method's (plus the quantization staging)
+    collective_setup   no       yes     yes               the method's
 """
 
 from __future__ import annotations
@@ -142,6 +146,21 @@ class Executor(ABC):
     def run(self, src_buffers: Buffers, dst_buffers: Buffers, *, decide: bool = True) -> RunStats:
         """Move the bytes; ``dst_buffers`` are written in place. Collective over the group. ``decide=False``
         leaves the commit decision to the caller."""
+
+    # -- what a composite executor (the precision executor around any method's) runs of this one
+    @abstractmethod
+    def buffers_used(self) -> tuple[set[str], set[str]]:
+        """(source buffers read, destination buffers written) by this rank's part. Local."""
+
+    @abstractmethod
+    def move(self, src_buffers: Buffers, dst_buffers: Buffers, device: torch.device) -> list[PhaseStats]:
+        """The bytes of :meth:`run` with no check, agreement or decision: what a composite executor runs
+        after its own checks and agreement. Collective."""
+
+    def fail(self, error: RefitError) -> RefitError:
+        """Break what a run waits on (the group; subgroups too, where the executor has them) so that every
+        rank hears ``error``; the error every rank raises."""
+        return self.group.fail(error)
 
     def close(self) -> None:
         """Release what the executor holds beyond the caller's group (nothing, by default)."""

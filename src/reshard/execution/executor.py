@@ -89,7 +89,6 @@ class ReshardExecutor(Executor):
         ``allow_lossy``) source values that a narrowing cast to the destination dtype would lose."""
         if self.setup_error:
             return self.setup_error
-        written: set[str] = set()
         for i, (phase, part) in enumerate(zip(self.plan.phases, self.parts)):
             need_src = {c.src_buffer for m in part.sends for c in m.copies} | {c.src_buffer for c in part.local}
             need_dst = ({c.dst_buffer for m in part.recvs for c in m.copies} | {c.dst_buffer for c in part.local}
@@ -99,12 +98,21 @@ class ReshardExecutor(Executor):
                      or check_buffers(phase.destination, self.rank, dst, need_dst, "destination"))
             if error:
                 return error
-            written |= {c.dst_buffer for m in part.recvs for c in m.copies} | {c.dst_buffer for c in part.local} | {
-                c.dst_buffer for c in part.fanout}
-        read = {c.src_buffer for m in self.parts[0].sends for c in m.copies} | {
-            c.src_buffer for c in self.parts[0].local} if self.parts else set()
+        read, written = self.buffers_used()
         return check_storage(self.rank, {n: src[n] for n in sorted(read)}, {n: dst[n] for n in sorted(written)}) or (
             None if self.allow_lossy else self._cast_problem(src))
+
+    def buffers_used(self) -> tuple[set[str], set[str]]:
+        """(source buffers read: the first phase's, destination buffers written: every phase's)."""
+        if not self.parts:
+            return set(), set()
+        first = self.parts[0]
+        read = {c.src_buffer for m in first.sends for c in m.copies} | {c.src_buffer for c in first.local}
+        written: set[str] = set()
+        for part in self.parts:
+            written |= {c.dst_buffer for m in part.recvs for c in m.copies} | {c.dst_buffer for c in part.local} | {
+                c.dst_buffer for c in part.fanout}
+        return read, written
 
     def _cast_problem(self, src: Buffers) -> str | None:
         """Values of a source buffer that its narrowing cast to a destination dtype would lose."""

@@ -180,7 +180,7 @@ class GatherBroadcastExecutor(Executor):
             self.touched, self.where = True, STEP
             faults.hit(STEP)
             with torch.inference_mode():  # writes autograd leaves and inference tensors in place
-                phases = self.move(src_buffers, dst_buffers)
+                phases = self.move(src_buffers, dst_buffers, device_of(src_buffers, dst_buffers))
         except RefitError as e:
             failure = RefitError(STEP if e.phase in ("transfer", "broadcast") else e.phase, e.message, ranks=e.ranks)
         except Exception as e:  # noqa: BLE001 - every rank hears of it
@@ -197,11 +197,10 @@ class GatherBroadcastExecutor(Executor):
             self.bcast_group.fail(first)
         return first
 
-    def move(self, src_buffers: Buffers, dst_buffers: Buffers) -> list[PhaseStats]:
+    def move(self, src_buffers: Buffers, dst_buffers: Buffers, device: torch.device) -> list[PhaseStats]:
         """The gather and broadcast of every tensor, with no check, agreement or decision (the part of
         :meth:`run` a composite executor runs after its own checks): phases ``gather``, ``broadcast``."""
         rank, root = self.rank, self.root
-        device = device_of(src_buffers, dst_buffers)
         gather = PhaseStats("gather", 0.0, 0, 0, 0, 0, 0, 0)
         bcast = PhaseStats("broadcast", 0.0, 0, 0, 0, 0, 0, 0)
         # one staging arena for the whole run, reused by every tensor: the full tensor (broadcast

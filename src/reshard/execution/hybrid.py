@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from ..planning.hybrid import HybridPlan
 from . import faults
-from .base import (Executor, RunStats, agree, agree_before_moving, check_buffers, check_storage, device_of,
+from .base import (Executor, PhaseStats, RunStats, agree, agree_before_moving, check_buffers, check_storage, device_of,
                    end_of_run, lossy_cast_problem)
 from .control import RefitError
 from .executor import ReshardExecutor
@@ -95,15 +95,12 @@ class HybridExecutor(Executor):
 
     def _reshard_buffers(self) -> tuple[set[str], set[str]]:
         """(source buffers read, destination buffers written) by this rank in the reshard part."""
-        if self.reshard is None or not self.reshard.parts:
-            return set(), set()
-        parts = self.reshard.parts
-        read = {c.src_buffer for m in parts[0].sends for c in m.copies} | {c.src_buffer for c in parts[0].local}
-        written = set()
-        for part in parts:
-            written |= {c.dst_buffer for m in part.recvs for c in m.copies} | {c.dst_buffer for c in part.local} | {
-                c.dst_buffer for c in part.fanout}
-        return read, written
+        return self.reshard.buffers_used() if self.reshard is not None else (set(), set())
+
+    def buffers_used(self) -> tuple[set[str], set[str]]:
+        """(source buffers read, destination buffers written) by this rank in either part."""
+        (r_read, r_written), (b_read, b_written) = self._reshard_buffers(), self._broadcast_buffers()
+        return r_read | b_read, r_written | b_written
 
     def check(self, src: Buffers, dst: Buffers) -> str | None:
         """The first problem with this rank's buffers for either part, or None (see module doc)."""
@@ -119,8 +116,7 @@ class HybridExecutor(Executor):
                        or check_buffers(self.plan.broadcast.destination, self.rank, dst, b_written, "destination"))
             if problem:
                 return problem
-        r_read, r_written = self._reshard_buffers()
-        read, written = sorted(r_read | b_read), sorted(r_written | b_written)
+        read, written = map(sorted, self.buffers_used())
         return check_storage(self.rank, {n: src[n] for n in read}, {n: dst[n] for n in written}) or (
             None if self.allow_lossy else self._cast_problem(src))
 
@@ -143,29 +139,38 @@ class HybridExecutor(Executor):
         self._where, self._in_reshard, self.touched = "agreement", False, False
         self.group.check_usable("agreement")
         error = self.check(src_buffers, dst_buffers)
-        agree_before_moving(self.group, self.plan.fingerprint(), error, self.options, self.timeout, fail=self._fail)
+        agree_before_moving(self.group, self.plan.fingerprint(), error, self.options, self.timeout, fail=self.fail)
         failure, phases = None, []
         try:
             self.touched = True
             with torch.inference_mode():  # writes autograd leaves and inference tensors in place
-                if self.reshard is not None:
-                    self._in_reshard = True
-                    device = device_of(src_buffers, dst_buffers)
-                    phases += self.reshard.move(src_buffers, dst_buffers, device)
-                    self._in_reshard = False
-                if self.broadcaster is not None:
-                    self._where = BROADCAST_PART
-                    faults.hit(BROADCAST_PART)
-                    phases += self.broadcaster.move(src_buffers, dst_buffers)
+                phases = self.move(src_buffers, dst_buffers, device_of(src_buffers, dst_buffers))
         except RefitError as e:
-            phase = BROADCAST_PART if not self._in_reshard and e.phase in ("transfer", "broadcast") else e.phase
-            failure = RefitError(phase, str(e).partition(": ")[2], ranks=e.ranks)
+            failure = RefitError(e.phase, e.message, ranks=e.ranks)
         except Exception as e:  # noqa: BLE001 - every rank hears of it
             failure = RefitError(self.where, f"rank {self.rank}: {type(e).__name__}: {e}", ranks=[self.rank])
-        end_of_run(self.group, failure, decide, self.timeout, fail=self._fail)
+        end_of_run(self.group, failure, decide, self.timeout, fail=self.fail)
         return RunStats.of_phases(self.rank, phases)
 
-    def _fail(self, error: RefitError) -> RefitError:
+    def move(self, src_buffers: Buffers, dst_buffers: Buffers, device: torch.device) -> list[PhaseStats]:
+        """Both parts' bytes, the reshard part first, with no check, agreement or decision. A failure of
+        the broadcast part names the phase ``gather-broadcast``."""
+        phases: list[PhaseStats] = []
+        if self.reshard is not None:
+            self._in_reshard = True
+            phases += self.reshard.move(src_buffers, dst_buffers, device)
+            self._in_reshard = False
+        if self.broadcaster is not None:
+            self._where = BROADCAST_PART
+            try:
+                faults.hit(BROADCAST_PART)
+                phases += self.broadcaster.move(src_buffers, dst_buffers, device)
+            except RefitError as e:
+                phase = BROADCAST_PART if e.phase in ("transfer", "broadcast") else e.phase
+                raise RefitError(phase, e.message, ranks=e.ranks) from None
+        return phases
+
+    def fail(self, error: RefitError) -> RefitError:
         """Break the group and the broadcast subgroup: :meth:`GatherBroadcastExecutor.fail`."""
         if self.broadcaster is not None:
             return self.broadcaster.fail(error)

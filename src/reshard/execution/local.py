@@ -10,6 +10,7 @@ from typing import Mapping
 
 import torch
 
+from ..planning.hybrid import HybridPlan
 from ..planning.plan import PhasedPlan, Plan
 from ..planning.precision import PrecisionPlan
 from .packing import Buffers, copy_within, pack, unpack
@@ -35,6 +36,11 @@ def run_local(plan: PhasedPlan, src_buffers: Mapping[int, Buffers], dst_buffers:
     if isinstance(plan, PrecisionPlan):  # its wire phases read staging that quantizing fills first
         raise TypeError("run_local moves bytes only; a PrecisionPlan also quantizes: use "
                         "reshard.execution.precision.run_local_precision (rs.run_local_precision)")
+    if isinstance(plan, HybridPlan):  # two plans, each reading the source buffers
+        for part in (plan.reshard, plan.broadcast):
+            if part is not None:
+                run_local(part, src_buffers, dst_buffers)
+        return
     for i, phase in enumerate(plan.phases):
         _run_phase(phase, src_buffers if i == 0 else dst_buffers, dst_buffers)
 

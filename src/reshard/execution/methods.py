@@ -46,12 +46,14 @@ def make_plan(options: RefitOptions, source: Layout, destination: Layout) -> Pha
 
 def make_executor(options: RefitOptions, plan: PhasedPlan, group=None) -> Executor:
     """The executor of ``options.method`` for its ``plan`` (a :class:`PrecisionPlan` runs on the
-    precision executor), with the options it takes. Collective where the executor's
+    precision executor around the method's), with the options it takes. Collective where the executor's
     ``collective_setup`` says so; the caller closes it."""
-    cls = PrecisionExecutor if isinstance(plan, PrecisionPlan) else EXECUTORS[REGISTRY[options.method].executor]
+    cls = EXECUTORS[REGISTRY[options.method].executor]
     kwargs = {"timeout": options.timeout, "allow_lossy": options.allow_lossy}
     if cls.checksums:
         kwargs["checksum"] = options.checksum
+    if isinstance(plan, PrecisionPlan):
+        return PrecisionExecutor(plan, group, wire=cls, **kwargs)
     return cls(plan, group, **kwargs)
 
 

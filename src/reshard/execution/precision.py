@@ -103,31 +103,48 @@ def run_local_precision(plan: PrecisionPlan, src_buffers: Mapping[int, Buffers],
 
 class PrecisionExecutor(Executor):
     """Runs a :class:`PrecisionPlan` over ``group`` (see module doc). Every rank of the group constructs
-    it with the same plan and calls :meth:`run`; ``overlap``, ``checksum`` and ``allow_lossy`` are the
-    reshard executor's (``allow_lossy`` covers casts of kept and cast tensors; quantization saturates
-    by its rule and is never refused)."""
+    it with the same plan and calls :meth:`run`. ``wire``: the executor class of the method whose plan
+    is the wire (:class:`ReshardExecutor` by default; the method registry passes the method's); it
+    is built here on the same group, collectively where its ``collective_setup`` says so.
+    ``overlap`` (reshard executors only), ``checksum`` and ``allow_lossy`` are the wire executor's
+    (``allow_lossy`` covers casts of kept and cast tensors; quantization saturates by its rule and
+    is never refused). :meth:`close` releases the wire executor."""
 
     name = "precision"
 
     def __init__(self, plan: PrecisionPlan, group: Group | dist.ProcessGroup | None = None, *,
                  timeout: timedelta = DEFAULT_TIMEOUT, overlap: bool = True, checksum: bool = False,
-                 allow_lossy: bool = False) -> None:
+                 allow_lossy: bool = False, wire: type[Executor] = ReshardExecutor) -> None:
         if not isinstance(plan, PrecisionPlan):
             raise TypeError(f"PrecisionExecutor runs a PrecisionPlan (precision_plan(...)), got {type(plan).__name__}")
+        if checksum and not wire.checksums:
+            raise ValueError(f"{wire.__name__} sends no messages to checksum (checksum=True)")
         self._step: str | None = None
         super().__init__(plan, group, timeout=timeout, checksum=checksum, allow_lossy=allow_lossy)
-        self.wire = ReshardExecutor(plan.wire, self.group, timeout=timeout, overlap=overlap, checksum=checksum,
-                                    allow_lossy=allow_lossy)
+        kwargs = {"timeout": timeout, "allow_lossy": allow_lossy}
+        if wire.checksums:
+            kwargs["checksum"] = checksum
+        if issubclass(wire, ReshardExecutor):
+            kwargs["overlap"] = overlap
+        self.wire = wire(plan.wire, self.group, **kwargs)
         self.setup_error = self.setup_error or self.wire.setup_error
-        parts = self.wire.parts
-        tasks = (RankQuantization() if self.setup_error
-                 else plan.quantization(self.rank, parts[0] if parts else None))
+        parts = getattr(self.wire, "parts", None)
+        if self.setup_error:
+            tasks = RankQuantization()
+        elif isinstance(self.wire, ReshardExecutor):  # its parts are built: reuse the first phase's reads
+            tasks = plan.quantization(self.rank, first_phase_reads(parts[0]) if parts else [])
+        else:
+            tasks = plan.quantization(self.rank)
         self.source_tasks, self.destination_tasks = tasks.source, tasks.destination
+        # the wire's guarantees are the run's (the class's flags hold for the default wire)
+        self.needed_bytes_only, self.bounded_staging = self.wire.needed_bytes_only, self.wire.bounded_staging
+        self.collective_setup = self.wire.collective_setup
+
 
     @property
     def options(self) -> dict:
-        """What every rank must agree on besides the plan."""
-        return {**super().options, "policy": self.plan.policy.key}
+        """What every rank must agree on besides the plan: the wire executor's options, the policy."""
+        return {**self.wire.options, **super().options, "wire": self.wire.name, "policy": self.plan.policy.key}
 
     @property
     def where(self) -> str:
@@ -141,22 +158,25 @@ class PrecisionExecutor(Executor):
     def staging_bytes(self) -> int:
         """Bytes this rank allocates: the wire's staging plus the quantization's."""
         figures = self.plan.staging_bytes()
-        return (self.wire.staging_bytes() + figures["source"].get(self.rank, 0)
-                + figures["destination"].get(self.rank, 0))
+        wire = self.wire.staging_bytes() if hasattr(self.wire, "staging_bytes") else 0
+        return wire + figures["source"].get(self.rank, 0) + figures["destination"].get(self.rank, 0)
+
+    def close(self) -> None:
+        """Release the wire executor (its subgroups; local, idempotent)."""
+        super().close()
+        self.wire.close()
+
+    def fail(self, error: RefitError) -> RefitError:
+        return self.wire.fail(error)
 
     # ------------------------------------------------------------------ checks
-    def _user_buffers(self) -> tuple[set[str], set[str]]:
+    def buffers_used(self) -> tuple[set[str], set[str]]:
         """(source buffers read, destination buffers written) of the caller's, by every step on this rank."""
         own_src = set(self.plan.source_staging.get(self.rank, {}))
         own_dst = set(self.plan.destination_staging.get(self.rank, {}))
-        parts = self.wire.parts
-        read = {t.src_buffer for t in self.source_tasks}
-        written = {b for t in self.destination_tasks for b in (t.q_buffer, t.s_buffer)}
-        if parts:
-            read |= {c.src_buffer for c in first_phase_reads(parts[0])}
-            for part in parts:
-                written |= {c.dst_buffer for m in part.recvs for c in m.copies} | {c.dst_buffer for c in part.local} | {
-                    c.dst_buffer for c in part.fanout}
+        wire_read, wire_written = self.wire.buffers_used()
+        read = {t.src_buffer for t in self.source_tasks} | wire_read
+        written = {b for t in self.destination_tasks for b in (t.q_buffer, t.s_buffer)} | wire_written
         return read - own_src, written - own_dst
 
     def check(self, src: Buffers, dst: Buffers, merged_src: Buffers | None = None,
@@ -172,7 +192,7 @@ class PrecisionExecutor(Executor):
         problem = self.wire.check(merged_src, merged_dst)
         if problem:
             return problem
-        read, written = self._user_buffers()
+        read, written = self.buffers_used()
         return (check_buffers(self.plan.source, self.rank, src, {t.src_buffer for t in self.source_tasks}, "source")
                 or check_buffers(self.plan.destination, self.rank, dst,
                                  {b for t in self.destination_tasks for b in (t.q_buffer, t.s_buffer)}, "destination")
@@ -182,6 +202,7 @@ class PrecisionExecutor(Executor):
     def run(self, src_buffers: Buffers, dst_buffers: Buffers, *, decide: bool = True) -> RunStats:
         """Quantize, move and quantize; ``dst_buffers`` (the engine's, FP8 weights and scales included) are
         written in place. Collective over the group. Errors as :meth:`ReshardExecutor.run`'s."""
+        self.check_open()
         self._step, self.touched = "agreement", False
         self.group.check_usable("agreement")
         device = device_of(src_buffers, dst_buffers)
@@ -189,25 +210,37 @@ class PrecisionExecutor(Executor):
         dst_stage = staging(self.plan, self.rank, "destination", device)
         merged_src, merged_dst = {**src_buffers, **src_stage}, {**dst_buffers, **dst_stage}
         error = self.check(src_buffers, dst_buffers, merged_src, merged_dst)
-        agree_before_moving(self.group, self.plan.fingerprint(), error, self.options, self.timeout)
+        agree_before_moving(self.group, self.plan.fingerprint(), error, self.options, self.timeout, fail=self.fail)
         failure, phases = None, []
         try:
             with torch.inference_mode():  # writes autograd leaves and inference tensors in place
-                phases.append(self._quantize(SOURCE_STEP, self.source_tasks, merged_src, merged_src, src_stage,
-                                             device))
-                self._step = None
-                self.touched = True
-                phases += self.wire.move(merged_src, merged_dst, device)
-                phases.append(self._quantize(DESTINATION_STEP, self.destination_tasks, merged_dst, dst_buffers,
-                                             dst_stage, device))
+                phases = self._steps(dst_buffers, merged_src, merged_dst, src_stage, dst_stage, device)
         except RefitError as e:
             failure = RefitError(e.phase, str(e).partition(": ")[2], ranks=e.ranks)
         except Exception as e:  # noqa: BLE001 - every rank hears of it
             failure = RefitError(self.where, f"rank {self.rank}: {type(e).__name__}: {e}", ranks=[self.rank])
         finally:
             del src_stage, dst_stage, merged_src, merged_dst
-        end_of_run(self.group, failure, decide, self.timeout)
+        end_of_run(self.group, failure, decide, self.timeout, fail=self.fail)
         return RunStats.of_phases(self.rank, phases)
+
+    def move(self, src_buffers: Buffers, dst_buffers: Buffers, device: torch.device) -> list[PhaseStats]:
+        """Quantize, move and quantize with no check, agreement or decision (for a composite executor)."""
+        src_stage = staging(self.plan, self.rank, "source", device)
+        dst_stage = staging(self.plan, self.rank, "destination", device)
+        return self._steps(dst_buffers, {**src_buffers, **src_stage}, {**dst_buffers, **dst_stage}, src_stage,
+                           dst_stage, device)
+
+    def _steps(self, dst_buffers: Buffers, merged_src: Buffers, merged_dst: Buffers, src_stage: Buffers,
+               dst_stage: Buffers, device: torch.device) -> list[PhaseStats]:
+        """The three steps on buffers with this rank's staging merged in; marks :attr:`touched`."""
+        phases = [self._quantize(SOURCE_STEP, self.source_tasks, merged_src, merged_src, src_stage, device)]
+        self._step = None
+        self.touched = True
+        phases += self.wire.move(merged_src, merged_dst, device)
+        phases.append(self._quantize(DESTINATION_STEP, self.destination_tasks, merged_dst, dst_buffers, dst_stage,
+                                     device))
+        return phases
 
     def _quantize(self, step: str, tasks: Iterable[QuantTask], read: Buffers, write: Buffers,
                   stage: Mapping[str, torch.Tensor], device: torch.device) -> PhaseStats:

@@ -101,9 +101,9 @@ class RefitModel:
         if precision is None and options.precision is not None:
             precision = METHODS[RESHARD].make(source, destination, direct_options)
         if precision is not None:  # plan the wire: its layouts hold the staging buffers of the quantization
-            if precision.domains is not None:
-                raise ValueError("RefitModel.build takes a direct PrecisionPlan (no domains); it plans the "
-                                 "hierarchical wire itself")
+            if not isinstance(precision.wire, Plan):
+                raise ValueError("RefitModel.build takes a PrecisionPlan with a direct wire (method reshard); it "
+                                 "plans the hierarchical wire itself")
             direct = precision.wire
             plan_src, plan_dst = direct.source, direct.destination
         else:

@@ -113,6 +113,10 @@ class GatherBroadcastPlan:
     def wire_bytes(self) -> int:
         return sum(gather_broadcast_bytes(self.direct, self.root).values())
 
+    def source_reads(self, rank: int) -> list:
+        """The copies of ``rank``'s that read its source buffers: the gather's."""
+        return self.gather.source_reads(rank)
+
     def fingerprint(self) -> str:
         """The direct plan's: the root is one of the executor's options, which the ranks compare too
         (so that ranks with another root are told which)."""

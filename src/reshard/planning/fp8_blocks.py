@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..layout import PieceTable, Repeated
-from ..quant import grid_shape
+from ..quant import SCALE_SUFFIX, grid_shape
 from .dtype_policy import FP8Block
 
 FP8_STAGING = "@fp8/"  # source staging: <tensor>@fp8/<k>, <tensor>_scale_inv@fp8/<k>
@@ -122,11 +122,13 @@ class BlockGeometry(NamedTuple):
     raw_hi: np.ndarray
 
 
-def block_geometry(shape, block, source: PieceTable, destination: PieceTable) -> BlockGeometry:
-    """The block paths of one tensor from its source and destination pieces (see :class:`BlockGeometry`)."""
+def block_geometry(shape, block, source: PieceTable, destination: PieceTable, *,
+                   at_source: bool = True) -> BlockGeometry:
+    """The block paths of one tensor from its source and destination pieces (see :class:`BlockGeometry`);
+    ``at_source=False``: every block crosses raw and is quantized at the destination."""
     grid = grid_shape(shape, block)
     source_lo, source_hi = whole_block_boxes(source.offsets, source.sizes, shape, block)
-    whole = np.flatnonzero((source_hi > source_lo).all(axis=1))
+    whole = np.flatnonzero((source_hi > source_lo).all(axis=1) if at_source else np.zeros(len(source_lo), bool))
     rect_lo, rect_hi, covered = regions(grid, source_lo[whole], source_hi[whole])
     block_size = np.array(block, np.int64)
     dest_lo = destination.offsets // block_size
@@ -137,6 +139,15 @@ def block_geometry(shape, block, source: PieceTable, destination: PieceTable) ->
     fp8, raw = covered[rect], ~covered[rect]
     return BlockGeometry(grid, whole, source_lo[whole], source_hi[whole], rect_lo, rect_hi, covered,
                          piece[fp8], lo[fp8], hi[fp8], piece[raw], lo[raw], hi[raw])
+
+
+def carried_tensor(wire_name: str) -> str:
+    """The destination tensor a wire tensor carries part of: ``w`` for ``w``, ``w_scale_inv`` and
+    ``w@raw``."""
+    for suffix in (RAW_SUFFIX, SCALE_SUFFIX):
+        if wire_name.endswith(suffix):
+            return wire_name[: -len(suffix)]
+    return wire_name
 
 
 def staging_names(prefix: str, ranks: np.ndarray) -> tuple | Repeated:
@@ -185,5 +196,5 @@ class Fp8Tensor:
         return info
 
 
-__all__ = ["BlockGeometry", "FP8_STAGING", "Fp8Tensor", "RAW_SUFFIX", "block_geometry", "element_boxes",
+__all__ = ["BlockGeometry", "FP8_STAGING", "Fp8Tensor", "RAW_SUFFIX", "block_geometry", "carried_tensor", "element_boxes",
            "intersect_boxes", "regions", "staging_names", "whole_block_boxes"]

@@ -74,6 +74,10 @@ class HierarchicalPlan:
     def phase_names(self) -> list[str]:
         return ["network"] + (["relay"] if self.relay is not None else []) + ["NVLink forward"]
 
+    def source_reads(self, rank: int) -> list:
+        """The copies of ``rank``'s that read its source buffers (the network phase's)."""
+        return self.network.source_reads(rank)
+
     @cached_property
     def cross_domain_bytes(self) -> dict[int, int]:
         """Bytes entering each destination domain from other domains (over NICs)."""

@@ -215,6 +215,11 @@ class HybridPlan:
         return (self.reshard.phase_names if self.reshard is not None else []) + (
             ["gather-broadcast"] if self.broadcast is not None else [])
 
+    def source_reads(self, rank: int) -> list:
+        """The copies of ``rank``'s that read its source buffers: the reshard part's and the gather's."""
+        return ((self.reshard.source_reads(rank) if self.reshard is not None else [])
+                + (self.gather_broadcast.source_reads(rank) if self.gather_broadcast is not None else []))
+
     @property
     def reshard_tensors(self) -> list[str]:
         return [n for n, t in self.reshard.destination.tables.items() if len(t)] if self.reshard is not None else []

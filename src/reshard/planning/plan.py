@@ -45,7 +45,7 @@ from ..tensors import LayoutError, dtype_class, is_int
 from .geometry_groups import GeometryGroup, group_tensors
 from .intersect import FANOUT, LOCAL, REMOTE
 from .rank_plan import RankPlan, RankPlanBuilder
-from .schedule import ALIGN, ROUNDS_IN_FLIGHT, check_max_bucket_bytes, pair_quotas, round_cap
+from .schedule import ALIGN, ROUNDS_IN_FLIGHT, Copy, check_max_bucket_bytes, pair_quotas, round_cap
 from .sources import choose_sources
 
 PLAN_FORMAT = 2  # 2: staging quotas in proportion to each stream's bytes
@@ -119,6 +119,8 @@ class PhasedPlan(Protocol):
     def wire_bytes(self) -> int: ...  # bytes copied between distinct ranks, all phases
 
     def fingerprint(self) -> str: ...  # equal on every rank that planned the same refit
+
+    def source_reads(self, rank: int) -> list[Copy]: ...  # the copies of rank's that read its source buffers
 
     def summary(self) -> dict: ...
 
@@ -343,6 +345,11 @@ class Plan:
         """``rank``'s sends, receives, local and fan-out copies; other ranks' copies are not built
         (:mod:`reshard.planning.rank_plan`)."""
         return self._rank_plans.build(int(rank), self._round_quotas)
+
+    def source_reads(self, rank: int) -> list[Copy]:
+        """The copies of ``rank``'s part that read its source buffers: its sends and local copies."""
+        part = self.for_rank(rank)
+        return [copy for message in part.sends for copy in message.copies] + list(part.local)
 
     def _round_quotas(self) -> Mapping[tuple[int, int], int | None]:
         """Each stream's per-round quota, empty without a cap (one round)."""

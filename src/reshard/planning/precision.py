@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import defaultdict
-from typing import Mapping
+from typing import Callable, Iterable, Mapping
 
 import numpy as np
 import torch
@@ -63,13 +63,16 @@ from .fp8_blocks import (FP8_STAGING, RAW_SUFFIX, BlockGeometry, Fp8Tensor, bloc
                          staging_names)
 from .fp8_layout import check_whole_blocks, precision_layout
 from .hierarchy import hierarchical_plan
-from .plan import Plan, RankPlan, check_pair
+from .plan import PhasedPlan, Plan, check_pair
 from .quantization import QuantTask, RankQuantization, rank_quantization
+from .schedule import Copy
 
 PRECISION_PLAN_FORMAT = 1
 SOURCE, DESTINATION = 1, 2  # block_paths codes: where a block is quantized
 
 Staging = dict[int, dict[str, tuple[tuple[int, ...], torch.dtype]]]  # {rank: {buffer: (shape, dtype)}}
+# (wire source, wire destination) -> the plan that moves the wire tensors (a method's plan maker)
+WireMaker = Callable[[Layout, Layout], PhasedPlan]
 
 
 def _rows_cut_to(table: PieceTable, rows: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> PieceTable:
@@ -159,27 +162,38 @@ class PrecisionPlan:
     ``destination`` is the layout as the engine would hold it at the source's precision (a
     ``vllm_layout``); :attr:`destination` is the layout under the policy
     (:func:`precision_layout`): the buffers a run writes. :attr:`wire` is the plan that moves
-    the bytes (hierarchical over ``domains`` when given); :meth:`quantization` says what each rank
-    quantizes before and after it.
+    the bytes: ``wire(wire source, wire destination)`` when given (any method's plan maker: the
+    method registry passes its own), else hierarchical over ``domains`` when given, else a
+    :class:`Plan`. ``at_source``: whether a tensor's blocks that a source rank holds whole are
+    quantized there (a predicate on tensor names, or one answer for all); where not, every block of
+    the tensor crosses in the source's precision and is quantized at the destination, as a
+    receiver-side quantizer does (the wire's tensors, and so the fingerprint, say which). :meth:`quantization`
+    says what each rank quantizes before and after the wire.
     """
 
     @without_gc
     def __init__(self, source: Layout, destination: Layout, policy: DtypePolicy | str | None = None, *,
-                 max_bucket_bytes: int | None = None, domains: Mapping[int, int] | None = None) -> None:
+                 max_bucket_bytes: int | None = None, domains: Mapping[int, int] | None = None,
+                 wire: WireMaker | None = None, at_source: bool | Callable[[str], bool] = True) -> None:
         check_pair(source, destination)
         self.policy = as_policy(policy)
         self.source = source
         self.max_bucket_bytes = max_bucket_bytes
         self.domains = None if domains is None else dict(domains)
+        self.at_source = at_source if callable(at_source) else (lambda name, value=bool(at_source): value)
         self.destination = precision_layout(destination, self.policy)
         self.precisions = layout_precisions(destination, self.policy)
         self.fp8: dict[str, Fp8Tensor] = {}
-        wire = self._wire_tensors(destination)
-        self.source_staging = dict(wire.source_staging)
-        self.destination_staging = dict(wire.destination_staging)
-        wire_source, wire_destination = wire.layouts(source, self.destination)
-        self.wire = (hierarchical_plan(wire_source, wire_destination, self.domains, max_bucket_bytes=max_bucket_bytes)
-                     if self.domains else Plan(wire_source, wire_destination, max_bucket_bytes=max_bucket_bytes))
+        tensors = self._wire_tensors(destination)
+        self.source_staging = dict(tensors.source_staging)
+        self.destination_staging = dict(tensors.destination_staging)
+        wire_source, wire_destination = tensors.layouts(source, self.destination)
+        if wire is not None:
+            self.wire = wire(wire_source, wire_destination)
+        elif self.domains:
+            self.wire = hierarchical_plan(wire_source, wire_destination, self.domains, max_bucket_bytes=max_bucket_bytes)
+        else:
+            self.wire = Plan(wire_source, wire_destination, max_bucket_bytes=max_bucket_bytes)
         self._fingerprint: str | None = None
 
     def _wire_tensors(self, destination: Layout) -> _WireTensors:
@@ -211,10 +225,12 @@ class PrecisionPlan:
             raise LayoutError(f"tensor {name!r}: source ranks hold it in buffers of several dtypes "
                               f"({held}); block FP8 quantizes from one source precision")
         shape = self.destination.specs[name].shape
-        key = (shape, precision.block, source_table.geometry_key(), destination_table.geometry_key())
+        at_source = self.at_source(name)
+        key = (shape, precision.block, at_source, source_table.geometry_key(), destination_table.geometry_key())
         geometry = geometries.get(key)
         if geometry is None:
-            geometry = geometries[key] = block_geometry(shape, precision.block, source_table, destination_table)
+            geometry = geometries[key] = block_geometry(shape, precision.block, source_table, destination_table,
+                                                        at_source=at_source)
         return Fp8Tensor.of(name, precision, source_dtype, geometry, source_table, destination_table)
 
     # ------------------------------------------------------------------ PhasedPlan
@@ -322,14 +338,18 @@ class PrecisionPlan:
         except KeyError:
             raise LayoutError(f"tensor {name!r} is not an FP8 tensor of this plan") from None
 
-    def quantization(self, rank: int, first_phase: RankPlan | None = None) -> RankQuantization:
-        """What ``rank`` quantizes: ``source`` tasks before the transfer (the whole blocks its first
-        phase's sends and local copies read, each quantized once) and ``destination`` tasks after it
-        (the raw blocks it receives). ``first_phase``: ``rank``'s part of the wire's first phase, when the
-        caller has built it (built here otherwise)."""
-        if first_phase is None and self.phases:
-            first_phase = self.phases[0].for_rank(rank)
-        return rank_quantization(self.fp8, self.source, self.destination, rank, first_phase)
+    def quantization(self, rank: int, reads: Iterable[Copy] | None = None) -> RankQuantization:
+        """What ``rank`` quantizes: ``source`` tasks before the transfer (the whole blocks the wire's
+        copies read from its source buffers, each quantized once) and ``destination`` tasks after it
+        (the raw blocks it receives). ``reads``: those copies, when the caller has built them
+        (``self.wire.source_reads(rank)`` otherwise)."""
+        if reads is None:
+            reads = self.wire.source_reads(rank)
+        return rank_quantization(self.fp8, self.source, self.destination, rank, reads)
+
+    def source_reads(self, rank: int) -> list[Copy]:
+        """The wire's copies that read ``rank``'s source buffers (its own staging included)."""
+        return self.wire.source_reads(rank)
 
 
 def _uniform(layout: Layout, name: str) -> torch.dtype:

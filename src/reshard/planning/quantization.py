@@ -148,10 +148,9 @@ def destination_tasks(fp8: Mapping[str, Fp8Tensor], destination: Layout, rank: i
 
 
 def rank_quantization(fp8: Mapping[str, Fp8Tensor], source: Layout, destination: Layout, rank: int,
-                      first_phase: RankPlan | None) -> RankQuantization:
-    """``rank``'s quantization tasks; ``first_phase``: its part of the wire plan's first phase (None: the
-    plan has none, so nothing is quantized at the source)."""
-    reads = first_phase_reads(first_phase) if first_phase is not None else []
+                      reads: Iterable[Copy]) -> RankQuantization:
+    """``rank``'s quantization tasks; ``reads``: the wire plan's copies that read its source buffers
+    (each whole block they read is quantized once, before them)."""
     return RankQuantization(tuple(source_tasks(fp8, source, rank, reads)),
                             tuple(destination_tasks(fp8, destination, rank)))
 
