@@ -1,5 +1,8 @@
 """The demo path: model specs and layouts, test values and their checker, one real multi-process demo run."""
 
+import re
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -7,6 +10,7 @@ import reshard as rs
 from reshard import verify
 from reshard.apps.cli import build_parser, demo_config, main, model_from_args
 from reshard.apps.demo import DemoConfig, failures, hybrid_line, preflight, run_demo
+from reshard.errors import OptionsError
 from reshard.execution.methods import GATHER_BROADCAST, HIERARCHICAL, HYBRID, RESHARD, method_plan
 from reshard.frameworks.parallel import model_layouts
 from reshard.models import DEMO_MODEL, Arch, get_arch, model_specs
@@ -130,6 +134,28 @@ def test_cli_hybrid_method_and_its_rule():
                         "broadcast_tensors": 5, "part_bytes": {"reshard": 2e6, "gather": 1e6, "broadcast": 4e6}}, 10**8)
     assert line == ("hybrid (transfer -> gather-broadcast; rule patterns:mlp): 3 tensors by reshard (2.000 MB on the "
                     "wire), 5 by gather-broadcast (1.000 MB gathered, 4.000 MB broadcast)")
+
+
+def test_each_method_gets_its_refit_options_checked_by_refit_options(capsys):
+    cfg = DemoConfig(model=TINY, train="fsdp:dp2", infer="dtensor:tp2", methods=(RESHARD, HYBRID, HIERARCHICAL),
+                     hybrid_patterns=("mlp",), max_bucket_bytes=1 << 20)
+    domains = {0: 0, 1: 0, 2: 1, 3: 1}
+    options = cfg.method_options(domains)
+    assert list(options) == [RESHARD, HYBRID, HIERARCHICAL]
+    assert all(o.method == m and o.max_bucket_bytes == 1 << 20 for m, o in options.items())
+    assert options[HYBRID].hybrid_rule.patterns == ("mlp",) and options[RESHARD].hybrid_rule is None
+    assert options[HIERARCHICAL].domains == domains and options[RESHARD].domains is options[HYBRID].domains is None
+    for bad, culprit in [({"max_bucket_bytes": 10}, "max_bucket_bytes=10 is smaller than 16 bytes"),
+                         ({"hybrid_patterns": "mlp"}, "give a list of regular expressions"),
+                         ({"hybrid_patterns": ("(",)}, "'(' is not a regular expression")]:
+        with pytest.raises(OptionsError, match=re.escape(culprit)):
+            preflight(replace(cfg, **bad))
+    # the same refusals from the command line name the flag
+    assert main(["demo", "--max-bucket-mb", "1e-5", "--layers", "1"]) == 2
+    assert capsys.readouterr().out.strip() == ("reshard demo: --max-bucket-mb 1e-05: max_bucket_bytes=10 is "
+                                               "smaller than 16 bytes")
+    assert main(["demo", "--methods", "hybrid", "--hybrid-patterns", "(", "--layers", "1"]) == 2
+    assert capsys.readouterr().out.startswith("reshard demo: --hybrid-patterns: HybridRule pattern '(' is not")
 
 
 @pytest.mark.slow

@@ -40,3 +40,9 @@ def test_impossible_configs_get_one_line(capsys, args, message):
     assert main(["plan", "--model", "qwen3-30b-a3b", *args]) == 2
     out = capsys.readouterr().out.strip()
     assert message in out and "Traceback" not in out and len(out.splitlines()) <= 2
+
+
+def test_a_staging_cap_refit_options_refuse_names_the_flag(capsys):
+    assert main(["plan", "--model", "qwen3-8b", "--train", "tp2", "--infer", "tp2", "--max-bucket-mb", "1e-5"]) == 2
+    out = capsys.readouterr().out.strip()
+    assert out == "reshard plan: --max-bucket-mb 1e-05: max_bucket_bytes=10 is smaller than 16 bytes"

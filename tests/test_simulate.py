@@ -84,6 +84,12 @@ def test_unknown_case_is_a_one_line_error(capsys):
     assert "unknown case 'nope'" in capsys.readouterr().out
 
 
+def test_a_staging_cap_refit_options_refuse_names_the_flag(capsys):
+    assert main(["simulate", "--cases", "qwen30-h100", "--bucket-mb", "1e-5", "--png", ""]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "reshard simulate: error: --bucket-mb 1e-05: max_bucket_bytes=10 is smaller than 16 bytes"
+
+
 def test_chart_goes_to_the_output_folder(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main(["simulate", "--cases", "qwen30-h100", "--out", "figs", "--json", "figs/r.json"]) == 0

@@ -27,13 +27,14 @@ import torch
 import torch.distributed as dist
 
 from .. import verify
+from ..errors import OptionsError
 from ..execution.methods import GATHER_BROADCAST, HIERARCHICAL, HYBRID, RESHARD, make_executor, make_plan
 from ..execution.process_group import spawn
 from ..frameworks.parallel import ModelLayouts, model_layouts
 from ..models.arch import DEMO_MODEL, Arch, get_arch, tiny_arch
 from ..options import RefitOptions
 from ..planning.hierarchy import cross_domain_bytes
-from ..planning.hybrid import HybridRule
+from ..planning.hybrid import HybridRule, as_rule
 from ..planning.methods import METHODS as REGISTRY
 from ..tensors import LayoutError
 
@@ -75,16 +76,24 @@ class DemoConfig:
     @property
     def hybrid_rule(self) -> HybridRule | None:
         """The hybrid method's rule (None: the default); ``ValueError`` for a pattern that is no regex."""
-        return None if self.hybrid_patterns is None else HybridRule(patterns=tuple(self.hybrid_patterns))
+        return as_rule(self.hybrid_patterns)
 
-    def refit_options(self, method: str, domains: dict[int, int] | None) -> RefitOptions:
-        """The options of ``method``'s refit in this demo: its staging cap, the pretend domains where the
-        method needs them (the hierarchical one; the hybrid's reshard part stays direct), the rule where
-        it takes one."""
-        entry = REGISTRY[method]
-        return RefitOptions(method=method, max_bucket_bytes=self.max_bucket_bytes,
-                            domains=domains if "domains" in entry.needs else None,
-                            hybrid_rule=self.hybrid_rule if entry.accepts("hybrid_rule") else None)
+    def refit_options(self, method: str, domains: dict[int, int] | None = None) -> RefitOptions:
+        """The options of ``method``'s refit in this demo, checked where they are made (an
+        :class:`~reshard.errors.OptionsError` names the option): the staging cap, the rule where the
+        method takes one, the pretend ``domains`` where it needs them (the hierarchical method; the
+        hybrid's reshard part stays direct)."""
+        options = RefitOptions(method=method, max_bucket_bytes=self.max_bucket_bytes)
+        entry = REGISTRY.get(options.method)
+        if entry is None:
+            raise OptionsError(f"the demo runs named methods, not {method!r}; choose from {', '.join(REGISTRY)}")
+        if entry.accepts("hybrid_rule") and self.hybrid_patterns is not None:
+            options = options.replace(hybrid_rule=self.hybrid_patterns)
+        return with_domains(options, domains)
+
+    def method_options(self, domains: dict[int, int] | None = None) -> dict[str, RefitOptions]:
+        """:meth:`refit_options` of every method of the demo, each made once."""
+        return {method: self.refit_options(method, domains) for method in dict.fromkeys(self.methods)}
 
     @property
     def model_name(self) -> str:
@@ -94,6 +103,13 @@ class DemoConfig:
     def layouts(self) -> ModelLayouts:
         return model_layouts(self.arch, self.train, self.infer, colocate=self.colocate,
                              source_dtype=self.source_dtype)
+
+
+def with_domains(options: RefitOptions, domains: dict[int, int] | None) -> RefitOptions:
+    """``options`` with the pretend NVLink ``domains`` where its method needs them (unchanged otherwise)."""
+    if domains is None or "domains" not in REGISTRY[options.method].needs:
+        return options
+    return options.replace(domains=domains)
 
 
 def default_train(arch: Arch) -> str:
@@ -154,10 +170,10 @@ def _worker(rank: int, world: int, cfg: DemoConfig, result_path: str) -> None:
 
 
 def _refit(rank: int, world: int, cfg: DemoConfig, lay: ModelLayouts, ph: _Phases) -> dict:
-    def planning():
-        t = time.perf_counter()
-        p = make_plan(cfg.refit_options(RESHARD, None), lay.source, lay.destination)
-        return p, time.perf_counter() - t
+    def planning():  # the reshard plan the report describes, whichever methods run
+        started = time.perf_counter()
+        reshard_plan = make_plan(cfg.refit_options(RESHARD), lay.source, lay.destination)
+        return reshard_plan, time.perf_counter() - started
 
     plan, planner_s = ph.run("planning (every rank)", planning, "planning")
 
@@ -168,9 +184,10 @@ def _refit(rank: int, world: int, cfg: DemoConfig, lay: ModelLayouts, ph: _Phase
     src_bufs, dst_bufs = ph.run("filling source buffers", filling, "filling")
     methods = {}
     domains = demo_domains(lay, cfg.domain_size)
+    method_options = cfg.method_options(domains)
     for method in cfg.methods:
         t = time.perf_counter()
-        options = cfg.refit_options(method, domains)
+        options = method_options[method]
         mplan = plan if method == RESHARD else make_plan(options, lay.source, lay.destination)
         ex = make_executor(options, mplan)  # collective for gather-broadcast and hybrid (subgroups)
         setup_s = time.perf_counter() - t
@@ -343,24 +360,20 @@ def layout_bytes(layout) -> int:
 
 def preflight(cfg: DemoConfig, lay: ModelLayouts | None = None) -> ModelLayouts:
     """Check everything about ``cfg`` that can go wrong before a process is spawned, and return its layouts
-    (``lay`` if given): the options, that the model and ranks fit this machine (:func:`machine_problem`)
-    and that every method plans under the staging cap. Raises ``ValueError`` (``LayoutError`` for a
-    model the parallel sizes do not split) with one line naming the culprit."""
-    from ..execution.methods import METHODS
+    (``lay`` if given): the methods, each method's refit options (made once each by
+    :meth:`DemoConfig.method_options`: :class:`~reshard.options.RefitOptions` checks them), the demo's own
+    settings, that the model and ranks fit this machine (:func:`machine_problem`) and that every method
+    plans under the staging cap. Raises ``ValueError`` (``LayoutError`` for a model the parallel sizes
+    do not split, ``OptionsError`` for a refit option) with one line naming the culprit."""
     from ..frameworks.parallel import InferParallel, TrainParallel
-    from ..planning.schedule import check_max_bucket_bytes
     from ..tensors import checked_int
 
-    bad = [m for m in cfg.methods if m not in METHODS]
+    bad = [m for m in cfg.methods if m not in REGISTRY]
     if bad or not cfg.methods:
-        raise ValueError(f"unknown method(s) {bad}; choose from {', '.join(METHODS)}")
-    if cfg.hybrid_patterns is not None:
-        if HYBRID not in cfg.methods:
-            raise ValueError("hybrid_patterns is the rule of the hybrid method: add hybrid to the methods")
-        if isinstance(cfg.hybrid_patterns, str):
-            raise ValueError(f"hybrid_patterns must be a tuple of regular expressions, got {cfg.hybrid_patterns!r}")
-        _ = cfg.hybrid_rule  # a pattern that is no regular expression raises ValueError, naming it
-    check_max_bucket_bytes(cfg.max_bucket_bytes)
+        raise ValueError(f"unknown method(s) {bad}; choose from {', '.join(REGISTRY)}")
+    if cfg.hybrid_patterns is not None and HYBRID not in cfg.methods:
+        raise ValueError("hybrid_patterns is the rule of the hybrid method: add hybrid to the methods")
+    options = cfg.method_options()  # the staging cap and the hybrid's rule (domains: below, once laid out)
     checked_int(cfg.repeat, "repeat", minimum=1)
     checked_int(cfg.seed, "seed")
     checked_int(cfg.domain_size, "domain_size", minimum=0)
@@ -382,15 +395,15 @@ def preflight(cfg: DemoConfig, lay: ModelLayouts | None = None) -> ModelLayouts:
     if problem:
         raise ValueError(problem)
     domains = demo_domains(lay, cfg.domain_size)
-    for method in dict.fromkeys(cfg.methods):
+    for method, method_options in options.items():
         if method == GATHER_BROADCAST:  # no rounds: nothing to fit under the cap
             continue
         try:
-            make_plan(cfg.refit_options(method, domains), lay.source, lay.destination)
+            make_plan(with_domains(method_options, domains), lay.source, lay.destination)
         except LayoutError:
             raise
-        except ValueError as e:
-            raise ValueError(f"the {method} plan: {e}") from None
+        except ValueError as error:
+            raise ValueError(f"the {method} plan: {error}") from None
     return lay
 
 
