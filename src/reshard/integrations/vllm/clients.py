@@ -1,15 +1,26 @@
-"""The engines as the trainer drives them: weight-sync clients that can also pause and gate.
+"""The engines as the trainer drives them: weight-sync clients that can also pause, reset and gate.
 
 vLLM's weight-sync protocol has four calls (``init_weight_transfer_engine``,
 ``start_weight_update``, ``update_weights``, ``finish_weight_update``). The trainer engine also
-pauses an engine around a refit and gates it after a failed one
-(:mod:`reshard.integrations.vllm.trainer`), so each kind of client gets an adapter::
+pauses an engine around a refit, drops its prefix cache when a refit commits (KV blocks computed
+by older weights must not answer a request under the new version), and gates it after a failed
+refit (:mod:`reshard.integrations.vllm.trainer`), so each kind of client gets an adapter::
 
-    client                              adapter          pause, gate
-    an offline vllm.LLM                 OfflineClient    level-0 sleep; a gate also refuses requests
-    vLLM's HTTPVLLMWeightSyncClient     HTTPClient       the server's /pause and /resume routes
+    client                              adapter          pause, reset, gate
+    an offline vllm.LLM                 OfflineClient    level-0 sleep; LLM.reset_prefix_cache;
+                                                         a gate also refuses requests
+    vLLM's HTTPVLLMWeightSyncClient     HTTPClient       the server's /pause, /reset_prefix_cache
+                                                         and /resume routes
     several engines                     EngineGroup      every call to each engine at once
     anything else                       (as it is)       only if it has the methods
+
+``reset_prefix_cache()`` resets with ``reset_running_requests=True``: vLLM's scheduler
+(``Scheduler.reset_prefix_cache``, ``v1/core/sched/scheduler.py``) first preempts every running
+request (back to the waiting queue, its blocks freed), so the reset cannot be refused because a
+request holds blocks, as it is without that flag (vLLM then returns False, which ``LLM`` passes
+on without a word). A preempted request keeps the tokens it generated; when it is scheduled again
+vLLM recomputes the KV of its prompt and those tokens, with the weights the engine holds then. A
+reset that vLLM reports failed raises :class:`PrefixCacheResetError`.
 
 :func:`as_client` picks the adapter.
 """
@@ -25,8 +36,12 @@ from .threads import in_thread
 
 
 class WeightsPoisonedError(RuntimeError):
-    """A request to an offline ``LLM`` whose weights a failed refit may have torn (see
-    :mod:`reshard.integrations.vllm.trainer`)."""
+    """A request to an offline ``LLM`` whose weights a failed refit may have torn, or whose prefix
+    cache a committed refit could not reset (see :mod:`reshard.integrations.vllm.trainer`)."""
+
+
+class PrefixCacheResetError(RuntimeError):
+    """vLLM reported that it did not reset an engine's prefix cache."""
 
 
 class OfflineClient:
@@ -83,17 +98,29 @@ class OfflineClient:
     def pause_generation(self, mode: str) -> None:
         self._call(self.llm.sleep, level=0, mode=mode)
 
+    def reset_prefix_cache(self) -> None:
+        """Drop the prefix cache, preempting the running requests (see module doc); works while the
+        engine is paused (a level-0 sleep stops the scheduler's steps, not its utility calls).
+        Raises :class:`PrefixCacheResetError` if vLLM says it did not reset."""
+        if not self._call(self.llm.reset_prefix_cache, reset_running_requests=True):
+            raise PrefixCacheResetError("vLLM did not reset the prefix cache (LLM.reset_prefix_cache("
+                                        "reset_running_requests=True) returned False)")
+
     def resume_generation(self, *, clear_cache: bool = True) -> None:
-        """Take requests again (lifting a gate); ``clear_cache`` drops the prefix cache first."""
+        """Take requests again (lifting a gate); ``clear_cache`` first drops the prefix cache
+        (:meth:`reset_prefix_cache`; if that fails, the engine stays as it was)."""
+        if clear_cache:
+            self.reset_prefix_cache()
         self.llm.llm_engine.__dict__.pop("add_request", None)  # the refusal set by gate()
         self.gated = None
-        if clear_cache:
-            self._call(self.llm.reset_prefix_cache)
         self._call(self.llm.wake_up, tags=["scheduling"])
 
-    def gate(self, reason: str) -> None:
-        """Stop serving: refuse new requests, abort those in flight, pause the scheduler."""
-        message = (f"this vLLM engine's weights may be torn: {reason}; it takes no request until a refit "
+    def gate(self, reason: str, *, torn: bool = True) -> None:
+        """Stop serving: refuse new requests, abort those in flight, pause the scheduler. ``torn``:
+        the weights may be torn (a failed refit); else the refit committed but its prefix cache may
+        still hold KV of older weights."""
+        what = "weights may be torn" if torn else "prefix cache may hold KV of older weights"
+        message = (f"this vLLM engine's {what}: {reason}; it takes no request until a refit "
                    f"completes (its weight version stays the last complete one)")
 
         def refuse(*args, **kwargs):
@@ -106,8 +133,9 @@ class OfflineClient:
 
 class HTTPClient:
     """vLLM's ``HTTPVLLMWeightSyncClient`` plus the server's pause routes (``/pause?mode=``,
-    ``/resume``; served with the weight-sync routes, under ``VLLM_SERVER_DEV_MODE=1``). A gated
-    server is paused: its requests wait until a refit completes."""
+    ``/resume``) and its ``/reset_prefix_cache`` route (served with the weight-sync routes, under
+    ``VLLM_SERVER_DEV_MODE=1``). A gated server is paused: its requests wait until a refit
+    completes."""
 
     def __init__(self, client) -> None:
         self.client = client
@@ -125,19 +153,35 @@ class HTTPClient:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.client.finish_weight_update(weight_version)
 
-    def _post(self, path: str, params: dict | None = None) -> None:
+    def _post(self, path: str, params: dict | None = None):
         import requests
 
-        requests.post(f"{self.client.base_url}/{path}", params=params, timeout=self.client.timeout).raise_for_status()
+        response = requests.post(f"{self.client.base_url}/{path}", params=params, timeout=self.client.timeout)
+        response.raise_for_status()
+        return response
 
     def pause_generation(self, mode: str) -> None:
         self._post("pause", {"mode": mode})  # the server clears its caches after abort and wait
 
-    def resume_generation(self, *, clear_cache: bool = True) -> None:
+    def reset_prefix_cache(self) -> None:
+        """``POST /reset_prefix_cache?reset_running_requests=true`` (running requests preempted: see
+        module doc); raises :class:`PrefixCacheResetError` if the server answers ``success: false``."""
+        answer = self._post("reset_prefix_cache", {"reset_running_requests": "true"}).json()
+        if not answer.get("success"):
+            raise PrefixCacheResetError(f"the vLLM server did not reset its prefix cache (/reset_prefix_cache "
+                                        f"answered {answer})")
+
+    def resume_generation(self, *, clear_cache: bool = False) -> None:
+        """``POST /resume`` (lifting a gate); ``clear_cache`` first drops the prefix cache
+        (:meth:`reset_prefix_cache`). The trainer engine resets through :meth:`reset_prefix_cache`
+        itself, before it resumes, so the default is False here."""
+        if clear_cache:
+            self.reset_prefix_cache()
         self.gated = None
         self._post("resume")
 
-    def gate(self, reason: str) -> None:
+    def gate(self, reason: str, *, torn: bool = True) -> None:
+        """Pause with mode ``"abort"`` until a refit completes (``torn``: as :meth:`OfflineClient.gate`)."""
         self.gated = reason
         self._post("pause", {"mode": "abort"})
 
@@ -184,4 +228,5 @@ class EngineGroup:
         self._all(lambda index, client: client.finish_weight_update(weight_version))
 
 
-__all__ = ["EngineGroup", "HTTPClient", "OfflineClient", "WeightsPoisonedError", "as_client"]
+__all__ = ["EngineGroup", "HTTPClient", "OfflineClient", "PrefixCacheResetError", "WeightsPoisonedError",
+           "as_client"]

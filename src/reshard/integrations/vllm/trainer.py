@@ -19,23 +19,58 @@ Serving around a refit (trainer rank 0, engine by engine; ``pause_mode`` of the 
 ``send_weights``, vLLM's pause modes)::
 
     pause_mode   before the refit                 after it committed
-    "keep"       requests in flight frozen, new   resumed: frozen requests go on with the new
-    (default)    ones queued                      weights (their outputs' weight_versions spans
-                                                  show where the version changed)
-    "wait"       requests in flight finish on     resumed
+    "keep"       requests in flight frozen, new   prefix cache reset, then resumed: the frozen
+    (default)    ones queued                      requests, preempted by the reset, have the KV
+                                                  of their prompt and tokens so far recomputed
+                                                  with the new weights, then go on (their
+                                                  outputs' weight_versions spans show where the
+                                                  version changed)
+    "wait"       requests in flight finish on     prefix cache reset, then resumed
                  the old weights first (the
                  drain counts against the
                  session's timeout)
-    "abort"      requests in flight returned      resumed
+    "abort"      requests in flight returned      prefix cache reset, then resumed
                  with finish_reason "abort"
-    None         nothing (the caller pauses)      -
+    None         nothing (the caller pauses)      prefix cache reset (running requests
+                                                  preempted and recomputed, as in "keep")
 
 Every output carries the version that produced it: vLLM labels each step's tokens with the
 engine's weight version (``CompletionOutput.weight_versions``), and with the engine paused from
 before the first byte lands until the version is recorded, no step runs on weights the label
-does not name (with ``None``, a step may run between the update and the version's record). After
-a complete refit, ``abort`` and ``wait`` also drop the prefix cache (KV of the old weights);
-``keep`` keeps the frozen requests' KV, as vLLM's ``keep`` does.
+does not name (with ``None``, a step may run between the update and the version's record).
+
+**Prefix cache.** vLLM keeps the KV blocks of finished requests for later prompts that share
+their prefix (prefix caching is on by default), and nothing in a weight update drops them: a
+prompt cached before a refit would be answered after it from KV computed by the old weights,
+under the new version's label. So every committed refit resets the prefix cache of every engine,
+in every pause mode, in this order (trainer rank 0, engine by engine):
+
+1. ``finish_weight_update(weight_version=...)``: the workers finish the update (on CPU, vLLM's
+   layerwise reload repacks the weights here, so the new weights are complete only now) and the
+   engine records the version;
+2. ``reset_prefix_cache()`` (``reset_running_requests=True``): every cached block is dropped, and
+   every running request is preempted (back to vLLM's waiting queue, its blocks freed, its tokens
+   kept): when it is scheduled again vLLM recomputes the KV of its prompt and of the tokens it has
+   generated, with the new weights. A reset vLLM reports failed is not ignored: the engine is
+   gated (as after a failed refit, below, though its weights are whole; the next complete refit
+   resets and ungates it) and the refit raises ``RuntimeError`` naming the engine;
+3. ``resume_generation()`` (in the pause modes): the scheduler steps again.
+
+Why this order: the reset has to come after the last moment KV could be computed with older
+weights, which is step 1 (on CPU the weights change there), and before the first step that could
+read the cache with the new weights, which follows step 3. The engine is paused through all three
+(since before the first byte landed), so no step runs in between: no KV of older weights survives
+into a step on the new ones. A paused engine takes the reset (vLLM's level-0 sleep stops the
+scheduler's steps, not its utility calls). With ``None`` the trainer does not pause the engine:
+until step 2 its steps may read KV of older weights (and, as said above, run on weights the
+version label does not name); from step 2 on none does. Pause it around the refit (or use a
+pause mode) for a clean cut. In ``keep`` mode the frozen requests lose nothing but time: each
+costs one prefill of its prompt and tokens so far when it resumes; its tokens before the cut came
+from the old weights, those after from the new weights and KV of the new weights only. A client
+that pauses but has no reset of its own has its ``resume_generation(clear_cache=True)`` do steps 2
+and 3. One that cannot be reset without being resumed (no ``reset_prefix_cache``, and not paused
+by the trainer: a client with only vLLM's four weight-sync methods, or such a client under
+``None``) is not reset: a warning says so, once per client.
 
 **A failed refit gates the engines.** When a refit fails after bytes may have moved (any
 ``RefitError`` but one at connect or agreement, which move none), the destinations may hold a mix
@@ -78,7 +113,7 @@ import torch
 from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine, VLLMWeightSyncClient, WeightSource
 
 from ...refit.session import RefitSession, RefitStats
-from .clients import EngineGroup, as_client
+from .clients import EngineGroup, HTTPClient, OfflineClient, PrefixCacheResetError, as_client
 from .init_info import ReshardTrainerInitInfo, check_pause_mode
 from .source import ReshardSource
 from .threads import in_thread, outcome, with_pending_call
@@ -209,18 +244,54 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
 
     def _after_commit(self, version: str, mode: str | None, engines: list, rounds: list[Future],
                       paused: list[bool]) -> None:
+        """Per engine: record the version, drop the prefix cache, resume (see module doc, "Prefix cache")."""
+        warned = self.__dict__.setdefault("_warned_no_reset", set())  # ids of clients warned about, once each
+
         def handle(index: int, client) -> list[str]:
             if (error := outcome(rounds[index], self.grace_s)) is not None:
                 return [f"its update call failed: {type(error).__name__}: {error}"]
-            client.finish_weight_update(weight_version=version)
-            if paused[index] or getattr(client, "gated", None):
-                client.resume_generation(clear_cache=mode != "keep" or bool(client.gated))
+            client.finish_weight_update(weight_version=version)  # the workers finish (CPU: repack), version set
+            resume = paused[index] or bool(getattr(client, "gated", None))
+            reset = getattr(client, "reset_prefix_cache", None)
+            if reset is None and not resume:
+                if id(client) not in warned:
+                    warned.add(id(client))
+                    logger.warning("%s: %s cannot reset its prefix cache: after a refit it may answer prompts it "
+                                   "cached from KV blocks of older weights", self._engine_name(index),
+                                   type(client).__name__)
+                return []
+            try:
+                if reset is None:  # a client that pauses but has no reset of its own: its resume resets first
+                    client.resume_generation(clear_cache=True)
+                    return []
+                if reset() is False:
+                    raise PrefixCacheResetError("reset_prefix_cache() returned False")
+            except Exception as exc:  # noqa: BLE001 - reported on the refit
+                return [self._stale_cache(client, version, exc)]
+            if resume:
+                client.resume_generation(clear_cache=False)
             return []
 
         for index, problems in enumerate(self._each_engine(engines, handle)):
             if problems:
                 raise RuntimeError(f"{self._engine_name(index)}: the refit to version {version!r} committed on every "
                                    f"rank, but {'; '.join(problems)}")
+
+    def _stale_cache(self, client, version: str, exc: Exception) -> str:
+        """A committed refit whose prefix-cache reset failed: gate the engine (if it can be gated) so that no
+        request reads KV of older weights; the problem, for the refit's error."""
+        problem = f"its prefix cache could not be reset ({type(exc).__name__}: {exc})"
+        if not hasattr(client, "gate"):
+            return problem + f"; {type(client).__name__} cannot be gated: it may answer from KV of older weights"
+        reason = f"the refit to weight version {version!r} committed, but {problem}"
+        try:
+            if isinstance(client, (OfflineClient, HTTPClient)):
+                client.gate(reason, torn=False)
+            else:
+                client.gate(reason)
+        except Exception as gate_error:  # noqa: BLE001 - reported with the rest
+            return problem + f"; gating it failed too ({type(gate_error).__name__}: {gate_error})"
+        return problem + "; the engine is gated (it takes no request) until a refit completes"
 
     def _after_failure(self, error: Exception, version: str, engines: list, rounds: list[Future],
                        paused: list[bool]) -> None:
