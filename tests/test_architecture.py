@@ -25,7 +25,8 @@ LAYERS: dict[str, set[str]] = {
     "quant": {"errors"},  # block FP8 quantization: torch only
     "placements": {"tensors"},
     "layout_checks": BASE,  # a layout's validation, on plain data
-    "layout": BASE | {"placements", "layout_checks"},
+    "piece_table": BASE,  # how a layout stores one tensor's pieces, as numpy arrays
+    "layout": BASE | {"placements", "layout_checks", "piece_table"},
     "verify": BASE | {"layout"},
     "models": BASE,
     "frameworks": BASE | {"placements", "layout", "models"},

@@ -20,160 +20,31 @@ Example: a (4, 6) tensor ``w`` row-sharded over ranks 0 and 1::
 >>> lay.buffers(1)
 {'w': ((2, 6), torch.float32)}
 
+A layout stores each tensor's pieces as one :class:`~reshard.piece_table.PieceTable` (numpy arrays,
+one row per piece); ``PieceTable``, ``Repeated`` and ``BufferDtypes`` are importable from here too.
 Everything here is pure data: no process group, no device.
 """
 
 
 from __future__ import annotations
 
-import itertools
-from collections import abc, defaultdict
-from dataclasses import dataclass, field
+from collections import defaultdict
 from functools import cached_property
-from typing import Iterable, Mapping, NamedTuple, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from .layout_checks import check_layout, checked_buffers, checked_piece
+from .piece_table import BufferDtypes, PieceTable, Repeated, concatenated, read_only, table_of
 from .placements import Placement, from_torch_placement, local_pieces
-from .tensors import LayoutError, Piece, TensorSpec, box_slices, buffer_view, itemsize
+from .tensors import LayoutError, Piece, TensorSpec, box_slices, buffer_view
 
 VALIDATE_MAX_PIECES = 100_000
 """``Layout(..., validate=None)`` checks layouts up to this many pieces; bigger ones (whole models at
 cluster scale) come from constructors that are correct by construction (the tests validate each
 of them on small configurations), and ``Layout.validate()`` can still be called on them (seconds
 per million pieces)."""
-
-
-class Repeated(abc.Sequence):
-    """``n`` copies of one buffer name (or dtype) without ``n`` references (a tensor's pieces on many
-    ranks usually all live in the buffer of one name): ``Repeated("w", 3) == ("w", "w", "w")``."""
-
-    __slots__ = ("name", "n")
-
-    def __init__(self, name: str, n: int) -> None:
-        self.name, self.n = name, int(n)
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return (self.name,) * len(range(*i.indices(self.n)))
-        if not -self.n <= i < self.n:
-            raise IndexError(i)
-        return self.name
-
-    def __iter__(self):
-        return itertools.repeat(self.name, self.n)
-
-    def count(self, value) -> int:
-        return self.n if value == self.name else 0
-
-    def __eq__(self, other) -> bool:
-        if isinstance(other, (tuple, Repeated)):
-            return len(other) == self.n and all(x == self.name for x in other)
-        return NotImplemented
-
-    def __hash__(self) -> int:
-        return hash(tuple(self))
-
-    def __add__(self, other):
-        return tuple(self) + tuple(other)
-
-    def __radd__(self, other):
-        return tuple(other) + tuple(self)
-
-    def __repr__(self) -> str:
-        return f"({self.name!r},) * {self.n}"
-
-    def __reduce__(self):
-        return (Repeated, (self.name, self.n))
-
-
-def read_only(arrays: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
-    """``arrays``, marked read-only: piece arrays that the tables of many tensors share."""
-    for a in arrays:
-        a.flags.writeable = False
-    return arrays
-
-
-@dataclass(eq=False, slots=True)
-class PieceTable:
-    """All pieces of one tensor in one layout, as numpy arrays (row i = piece i); treat as read-only
-    (tables of many tensors share arrays)."""
-
-    ranks: np.ndarray  # int64 [k]
-    offsets: np.ndarray  # int64 [k, ndim]
-    sizes: np.ndarray  # int64 [k, ndim]
-    buffers: Sequence[str]  # k buffer names (a tuple, or Repeated when all are one)
-    buffer_offsets: np.ndarray  # int64 [k, buffer_ndim]
-    _geometry: bytes | None = field(default=None, repr=False)
-
-    def __len__(self) -> int:
-        return len(self.buffers)
-
-    def one_buffer(self) -> str | None:
-        """The buffer name every piece lives in, if they all share one."""
-        b = self.buffers
-        return b[0] if b and b.count(b[0]) == len(b) else None
-
-    def box_copies(self) -> tuple[np.ndarray, np.ndarray]:
-        """(index of each piece's distinct box, how many pieces hold each distinct box): replicas."""
-        if not len(self):
-            return np.zeros(0, np.int64), np.zeros(0, np.int64)
-        _, inv, counts = np.unique(np.concatenate([self.offsets, self.sizes], axis=1), axis=0,
-                                   return_inverse=True, return_counts=True)
-        return inv.reshape(-1), counts
-
-    def geometry_key(self) -> bytes:
-        """Bytes identifying ranks and boxes (not buffers): equal keys plan alike."""
-        key = self._geometry
-        if key is None:
-            n, d = self.offsets.shape
-            key = b"".join(
-                [np.array([n, d], np.int64).tobytes(), self.ranks.tobytes(), self.offsets.tobytes(), self.sizes.tobytes()]
-            )
-            object.__setattr__(self, "_geometry", key)
-        return key
-
-
-def _as_table(pieces: Sequence[Piece], ndim: int) -> PieceTable:
-    k = len(pieces)
-    bnd = max((len(p.buffer_offsets) for p in pieces), default=ndim)
-    offsets = np.zeros((k, ndim), np.int64)
-    sizes = np.zeros((k, ndim), np.int64)
-    boffs = np.zeros((k, bnd), np.int64)
-    for i, p in enumerate(pieces):
-        offsets[i] = p.offsets
-        sizes[i] = p.sizes
-        boffs[i] = p.buffer_offsets
-    ranks = np.array([p.rank for p in pieces], np.int64)
-    return PieceTable(ranks, offsets, sizes, tuple(p.buffer for p in pieces), boffs)
-
-
-class BufferDtypes(NamedTuple):
-    """The dtypes of the buffers one tensor's pieces live in (:meth:`Layout.buffer_dtypes`)."""
-
-    per_piece: Sequence[torch.dtype]  # one per piece, in table order
-    uniform: torch.dtype | None  # the one dtype of every piece's buffer, None when they differ
-    itemsize: int | None  # bytes per element when every piece's buffer has one (dtypes may still differ)
-
-    @classmethod
-    def of(cls, per_piece: Sequence[torch.dtype], uniform: torch.dtype | None) -> "BufferDtypes":
-        """The answer with its itemsize worked out."""
-        if uniform is not None:
-            return cls(per_piece, uniform, uniform.itemsize)
-        sizes = {itemsize(dtype) for dtype in per_piece}
-        return cls(per_piece, None, sizes.pop() if len(sizes) == 1 else None)
-
-    @property
-    def itemsizes(self) -> np.ndarray:
-        """Bytes per element of each piece's buffer (int64 [k])."""
-        if self.uniform is not None:
-            return np.full(len(self.per_piece), self.uniform.itemsize, np.int64)
-        return np.array([itemsize(dtype) for dtype in self.per_piece], np.int64)
 
 
 class Layout:
@@ -245,7 +116,7 @@ class Layout:
                 inferred_dtype.setdefault(key, spec_by_name[name].dtype)
         for (r, b), ext in inferred.items():
             bufs[r][b] = (tuple(ext), inferred_dtype[(r, b)])
-        tables = {name: _as_table(grouped.get(name, []), len(spec.shape)) for name, spec in spec_by_name.items()}
+        tables = {name: table_of(grouped.get(name, []), len(spec.shape)) for name, spec in spec_by_name.items()}
         return cls(spec_by_name, tables, bufs)
 
     @classmethod
@@ -304,18 +175,8 @@ class Layout:
                         raise LayoutError(f"rank {r} buffer {b!r}: layouts disagree on shape/dtype "
                                           f"({bufs[r][b]} vs {desc})")
                     bufs[r][b] = desc
-        tables = {}
-        for name, tabs in pieces.items():
-            if len(tabs) == 1:
-                tables[name] = tabs[0]
-            else:
-                tables[name] = PieceTable(
-                    np.concatenate([t.ranks for t in tabs]),
-                    np.concatenate([t.offsets for t in tabs]),
-                    np.concatenate([t.sizes for t in tabs]),
-                    sum((t.buffers for t in tabs), ()),
-                    _concat_ragged([t.buffer_offsets for t in tabs], len(specs[name].shape)),
-                )
+        tables = {name: tabs[0] if len(tabs) == 1 else concatenated(tabs, len(specs[name].shape))
+                  for name, tabs in pieces.items()}
         return Layout(specs, tables, bufs)
 
     def subset(self, ranks: Iterable[int]) -> "Layout":
@@ -482,11 +343,4 @@ class Layout:
         check_layout(self.specs, self.tables, self._buffers)
 
 
-def _concat_ragged(arrays: list[np.ndarray], ndim: int) -> np.ndarray:
-    """Buffer offsets of one tensor's pieces from several layouts (an empty part has no buffer to
-    say how many dims it has: it takes the others')."""
-    full = [a for a in arrays if len(a)] or arrays[:1]
-    width = max(a.shape[1] for a in full)
-    if any(a.shape[1] != width for a in full):
-        raise LayoutError("pieces of one tensor are placed in buffers with different numbers of dims")
-    return np.concatenate([a.reshape(len(a), width) if not len(a) else a for a in arrays])
+__all__ = ["BufferDtypes", "Layout", "PieceTable", "Repeated", "VALIDATE_MAX_PIECES", "read_only"]
