@@ -41,17 +41,13 @@ engines only lend bytes.
 
 from __future__ import annotations
 
-import os
-import socket
 import time
-import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Mapping
 
 import torch.distributed as dist
 
-from ..errors import OptionsError
 from ..execution import faults
 from ..execution.base import Executor, RunStats, agree
 from ..execution.control import RefitError
@@ -62,6 +58,7 @@ from ..options import DEFAULT_BUCKET_BYTES, RefitOptions
 from ..planning.methods import AUTO, RESHARD
 from ..tensors import LayoutError
 from . import membership
+from .exchange import check_ranks, detect_domains, layout_part, member_name, merged_layout, renumbered
 from .sides import Side, WriteReport
 from .states import DestinationState
 
@@ -98,7 +95,7 @@ class RefitSession:
         self.executor: Executor | None = None
         self.writer = destination  # the side refits write: the destination, in its policy's precision
         self.generation = generation
-        self.member = member or _member_name()
+        self.member = member or member_name()
         self.version: object = version
         self.state = DestinationState(state) if destination is not None else READY
         self.failure: RefitError | None = None
@@ -108,7 +105,7 @@ class RefitSession:
                                  ranks=[self.rank])
         t0 = time.perf_counter()
         faults.hit("connect")
-        me = (self.rank, _part(source), _part(destination), failure, self.version, self.state.value)
+        me = (self.rank, layout_part(source), layout_part(destination), failure, self.version, self.state.value)
         parts = group.all_gather_object(me, self.timeout, what="connect")
         failed = [f"rank {r}: {f}" for r, _, _, f, _, _ in parts if f]
         if failed:  # a rank could not build its side: every rank stops here, with its reason
@@ -116,8 +113,8 @@ class RefitSession:
         self.members = {r: (v, DestinationState(st), d is not None) for r, _, d, _, v, st in parts}
         error = None
         try:
-            self.source_layout = _merge([p for _, p, *_ in parts], "source")
-            self.destination_layout = _merge([d for _, _, d, *_ in parts], "destination")
+            self.source_layout = merged_layout([p for _, p, *_ in parts], "source")
+            self.destination_layout = merged_layout([d for _, _, d, *_ in parts], "destination")
             found = detect_domains(group) if options.domains is None and options.method in (AUTO, "hybrid") else None
             self.plan_options = options.resolved(found)  # "auto" resolved, the domains found filled in
             self.method = self.plan_options.method
@@ -166,7 +163,7 @@ class RefitSession:
         at once instead of waiting); ``member``: this process's name in membership changes; ``version``:
         the version this rank's destination already holds (None: none yet)."""
         options = RefitOptions.of(options, **option_values)
-        _check_ranks(rank, world_size)
+        check_ranks(rank, world_size)
         timeout = options.timeout
         if group is not None:
             g = Group.of(group)
@@ -306,8 +303,8 @@ class RefitSession:
         new_rank = roster.index(self.member)
         g = Group.connect(self.group.store_addr, new_rank, len(roster), backend=self.group.backend,
                           timeout=timeout, prefix=membership.generation_prefix(gen), store=store)
-        source = _renumbered(self.source, new_rank)
-        destination = _renumbered(self.destination, new_rank)
+        source = renumbered(self.source, new_rank)
+        destination = renumbered(self.destination, new_rank)
         try:
             return RefitSession(g, source=source, destination=destination, options=self.options, generation=gen,
                                 member=self.member, version=self.version, state=self.state)
@@ -330,14 +327,14 @@ class RefitSession:
             store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout, wait_for_workers=False)
         except (RuntimeError, ValueError) as e:
             raise RefitError("join", f"no session store at {store_addr}: {str(e).splitlines()[0][:200]}") from None
-        member = member or _member_name()
+        member = member or member_name()
         membership.ask_to_join(store, member)
         gen, roster = membership.admitted(store, member, timeout)
         new_rank = roster.index(member)
         g = Group.connect(store_addr, new_rank, len(roster), backend=backend, timeout=timeout,
                           prefix=membership.generation_prefix(gen), store=store)
         try:
-            return cls(g, source=_renumbered(source, new_rank), destination=_renumbered(destination, new_rank),
+            return cls(g, source=renumbered(source, new_rank), destination=renumbered(destination, new_rank),
                        options=options, generation=gen, member=member, state=EMPTY)
         except BaseException:
             g.close()
@@ -406,48 +403,6 @@ class RefitSession:
     def _close_executor(self) -> None:
         if self.executor is not None:
             self.executor.close()  # a reshard executor holds nothing; a hybrid one its broadcast subgroup
-
-
-def _check_ranks(rank, world_size) -> None:
-    """A rank or group size a user got wrong, named before any process connects."""
-    for name, value in (("rank", rank), ("world_size", world_size)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            raise OptionsError(f"{name} must be an integer >= 0, got {value!r}")
-    if rank is not None and world_size is not None and rank >= world_size:
-        raise OptionsError(f"rank {rank} is outside a group of world_size {world_size}")
-
-
-def _member_name() -> str:
-    """This process's name in membership changes: host, pid and a random suffix."""
-    return f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
-
-
-def _renumbered(side: Side | None, rank: int) -> Side | None:
-    """``side`` moved to ``rank`` (the same tensors; only the rank its pieces are filed under)."""
-    if side is None or side.rank == rank:
-        return side
-    return side.renumbered(rank)
-
-
-def _part(side: Side | None) -> Layout | None:
-    return None if side is None else side.layout
-
-
-def _merge(parts: list[Layout | None], what: str) -> Layout:
-    got = [p for p in parts if p is not None]
-    if not got:
-        raise LayoutError(f"no rank holds a {what} side")
-    return Layout.merge(got)
-
-
-def detect_domains(group: Group) -> dict[int, int] | None:
-    """NVLink domains on GPUs: ranks on one host share one (the common case of 8-GPU nodes);
-    ``None`` on CPUs (gloo), where there is no NVLink to use."""
-    if group.backend != "nccl":
-        return None
-    hosts = group.all_gather_object(os.environ.get("RESHARD_DOMAIN") or socket.gethostname())
-    index = {h: i for i, h in enumerate(dict.fromkeys(hosts))}
-    return {r: index[h] for r, h in enumerate(hosts)} if len(index) > 1 else None
 
 
 __all__ = ["AUTO", "DEFAULT_BUCKET_BYTES", "EMPTY", "POISONED", "READY", "RefitError", "RefitSession", "RefitStats",
