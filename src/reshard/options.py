@@ -16,6 +16,11 @@ the cost model all take a :class:`RefitOptions`; it is checked once, here, when 
     precision         None      a dtype policy (a DtypePolicy or "fp8", "bf16", ...): each destination
                                 tensor's precision
     domains           None      {rank: NVLink domain}; None: found by the session (GPU hosts)
+    receive           "in-place" how destinations take a refit: "in-place" (written into the live
+                                tensors) or "staged" (into staging, put in place after every rank
+                                committed: a failed refit leaves them serving their version)
+    max_receive_staging_bytes
+                      None      the most staging a staged destination rank may hold (None: no bound)
 
 An option the method does not take, or an unknown method, is one :class:`~reshard.errors.OptionsError`
 naming both:
@@ -23,7 +28,7 @@ naming both:
 >>> RefitOptions(method="gather-broadcast", checksum=True)
 Traceback (most recent call last):
 ...
-reshard.errors.OptionsError: method 'gather-broadcast' does not take option 'checksum' (it takes allow_lossy, max_bucket_bytes, method, precision, timeout)
+reshard.errors.OptionsError: method 'gather-broadcast' does not take option 'checksum' (it takes allow_lossy, max_bucket_bytes, max_receive_staging_bytes, method, precision, receive, timeout)
 >>> RefitOptions(max_bucket_bytes=64 << 20).round_bytes == 32 << 20
 True
 """
@@ -44,6 +49,8 @@ from .planning.schedule import check_max_bucket_bytes, round_cap
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 DEFAULT_TIMEOUT = timedelta(minutes=5)
+IN_PLACE, STAGED = "in-place", "staged"
+RECEIVE_MODES = (IN_PLACE, STAGED)
 
 
 @dataclass(frozen=True)
@@ -58,6 +65,8 @@ class RefitOptions:
     hybrid_rule: HybridRule | None = None
     precision: DtypePolicy | str | None = None
     domains: Mapping[int, int] | None = field(default=None, hash=False)
+    receive: str = IN_PLACE
+    max_receive_staging_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.method != AUTO and self.method not in METHODS:
@@ -77,6 +86,11 @@ class RefitOptions:
             _checked(as_policy, self.precision)
         if self.domains is not None:
             self._set("domains", _domains(self.domains))
+        if self.receive not in RECEIVE_MODES:
+            raise OptionsError(f"receive {self.receive!r}: use one of {', '.join(map(repr, RECEIVE_MODES))}")
+        limit = self.max_receive_staging_bytes
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+            raise OptionsError(f"max_receive_staging_bytes must be a number of bytes >= 0 or None, got {limit!r}")
         self._check_method_takes()
 
     def _set(self, name: str, value: Any) -> None:
@@ -150,7 +164,8 @@ class RefitOptions:
         return {"method": self.method, "max_bucket_bytes": self.max_bucket_bytes,
                 "timeout_s": self.timeout.total_seconds(), "checksum": self.checksum, "allow_lossy": self.allow_lossy,
                 "hybrid_rule": None if rule is None else list(rule.patterns), "precision": self.precision,
-                "domains": None if self.domains is None else {str(r): d for r, d in self.domains.items()}}
+                "domains": None if self.domains is None else {str(r): d for r, d in self.domains.items()},
+                "receive": self.receive, "max_receive_staging_bytes": self.max_receive_staging_bytes}
 
     @classmethod
     def from_json(cls, data: Mapping) -> "RefitOptions":
@@ -188,4 +203,4 @@ def _domains(domains: Mapping[int, int]) -> dict[int, int]:
     return out
 
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "DEFAULT_TIMEOUT", "RefitOptions"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "DEFAULT_TIMEOUT", "IN_PLACE", "RECEIVE_MODES", "RefitOptions", "STAGED"]

@@ -47,7 +47,8 @@ from .precision import PrecisionPlan
 
 RESHARD, GATHER_BROADCAST, HIERARCHICAL, HYBRID = "reshard", "gather-broadcast", "hierarchical", "hybrid"
 AUTO = "auto"
-COMMON_OPTIONS = frozenset({"method", "max_bucket_bytes", "timeout", "allow_lossy", "precision"})
+COMMON_OPTIONS = frozenset({"method", "max_bucket_bytes", "timeout", "allow_lossy", "precision", "receive",
+                            "max_receive_staging_bytes"})
 
 # (source, destination, options: a reshard.options.RefitOptions) -> the plan
 PlanMaker = Callable[[Layout, Layout, "RefitOptions"], PhasedPlan]

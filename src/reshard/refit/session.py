@@ -42,7 +42,7 @@ engines only lend bytes.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Mapping
 
@@ -54,16 +54,19 @@ from ..execution.control import RefitError
 from ..execution.group import Group
 from ..execution.methods import make_executor, make_plan
 from ..layout import Layout
-from ..options import DEFAULT_BUCKET_BYTES, RefitOptions
+from ..options import DEFAULT_BUCKET_BYTES, STAGED, RefitOptions
 from ..planning.methods import AUTO, RESHARD
 from ..tensors import LayoutError
 from . import membership
 from .exchange import check_ranks, detect_domains, layout_part, member_name, merged_layout, renumbered
+from .background import RefitHandle
 from .sides import Side, WriteReport
+from .staged import StagedSide
 from .states import DestinationState
 
 READY, UPDATING, POISONED, EMPTY = (DestinationState.READY, DestinationState.UPDATING, DestinationState.POISONED,
                                     DestinationState.EMPTY)
+STAGED_STATE = DestinationState.STAGED
 
 
 @dataclass
@@ -79,6 +82,8 @@ class RefitStats:
     in_place_bytes: int  # destination bytes written straight into live storage
     reprocessed_bytes: int  # destination bytes staged, then put in place by the engine's post-load path
     run: RunStats  # the executor's figures, per phase
+    receive_staging_bytes: int = 0  # a staged destination's staging (a copy of its part of the version)
+    paths: dict = field(default_factory=dict)  # destination buffer -> the way its bytes went
 
 
 class RefitSession:
@@ -97,6 +102,7 @@ class RefitSession:
         self.generation = generation
         self.member = member or member_name()
         self.version: object = version
+        self.staged_version: object = None  # a committed version waiting in staging (state staged)
         self.state = DestinationState(state) if destination is not None else READY
         self.failure: RefitError | None = None
         for side, what in ((source, "source"), (destination, "destination")):
@@ -123,6 +129,8 @@ class RefitSession:
             self.executor = make_executor(self.plan_options, self.plan, group)
             if destination is not None and options.precision is not None:
                 self.writer = destination.with_layout(self.plan.destination)  # FP8 weights and scales
+            if destination is not None and options.receive == STAGED:
+                self.writer = StagedSide(self.writer, options.max_receive_staging_bytes)
             error = self.executor.setup_error or self.executor.check(
                 source.read() if source else {}, destination.begin_write() if destination else {})
             if destination is not None:
@@ -196,12 +204,61 @@ class RefitSession:
             raise error from None
 
     # ------------------------------------------------------------------ refits
-    def refit(self, version: object = None) -> RefitStats:
-        """Move this step's weights: sources send, destinations receive, every rank commits ``version``.
-        Collective over the group; raises :class:`RefitError` on every rank if any rank fails (see
-        module doc for the destination's state afterwards)."""
-        return self._transfer(self.executor, self.source.read() if self.source else {},
-                              self.writer, version, f"refit to version {version!r}")
+    def refit(self, version: object = None, *, wait: bool = True, snapshot: bool = False
+              ) -> RefitStats | RefitHandle[RefitStats]:
+        """Move this step's weights: sources send, destinations receive, every rank commits ``version``
+        (staged destinations put it in place right after). Collective over the group; raises
+        :class:`RefitError` on every rank if any rank fails (see module doc for the destination's
+        state afterwards). ``wait=False``: return a :class:`~reshard.refit.background.RefitHandle` as
+        soon as the refit has started on a thread; optimizer steps that would change a source tensor
+        wait for it, and ``wait()`` gives the stats or raises the error (``snapshot``: send copies
+        of the sources instead, so nothing waits)."""
+        if wait:
+            return self._refit(version, self._read_source(), apply=True)
+        src = self._read_source()
+        sources = [] if snapshot else list(src.values())
+        snapshot_bytes = 0
+        if snapshot:
+            src = {name: tensor.detach().clone() for name, tensor in src.items()}
+            snapshot_bytes = sum(t.numel() * t.element_size() for t in src.values())
+        return RefitHandle(lambda: self._refit(version, src, apply=True), sources=sources,
+                           snapshot_bytes=snapshot_bytes)
+
+    def receive(self, version: object = None) -> RefitStats:
+        """A refit whose staged destinations keep serving: like :meth:`refit`, but a destination with
+        ``receive="staged"`` keeps its version in place and holds ``version`` staged (state
+        ``staged``) until :meth:`apply`. Collective."""
+        return self._refit(version, self._read_source(), apply=False)
+
+    def apply(self) -> WriteReport:
+        """Put the staged version in place (local, on a staged destination after :meth:`receive`): the
+        destination is then ready at it. A failure here (the engine's post-processing) leaves it
+        poisoned and raises RefitError on this rank only."""
+        if not isinstance(self.writer, StagedSide) or self.state != STAGED_STATE:
+            raise RuntimeError(f"rank {self.rank}: no received version is staged here (state {self.state})")
+        try:
+            report = self.writer.apply()
+        except Exception as e:  # noqa: BLE001 - local: the other ranks committed
+            self.state, self.version = POISONED, self.staged_version
+            raise RefitError("apply", f"rank {self.rank}: putting version {self.staged_version!r} in place: "
+                             f"{type(e).__name__}: {e}", ranks=[self.rank], moved=True) from None
+        self.version, self.state, self.staged_version = self.staged_version, READY, None
+        return report
+
+    def _read_source(self) -> dict:
+        return self.source.read() if self.source else {}
+
+    def _refit(self, version: object, src: dict, *, apply: bool) -> RefitStats:
+        if self.state == STAGED_STATE:
+            raise RuntimeError(f"rank {self.rank}: version {self.staged_version!r} is staged: apply() it first")
+        stats = self._transfer(self.executor, src, self.writer, version, f"refit to version {version!r}")
+        if apply and self.state == STAGED_STATE:
+            t0 = time.perf_counter()
+            report = self.apply()
+            stats = replace(stats, seconds=stats.seconds + time.perf_counter() - t0,
+                            in_place_bytes=report.in_place_bytes, reprocessed_bytes=report.reprocessed_bytes,
+                            paths=report.paths)
+        return stats
 
     def _transfer(self, executor: Executor, src: dict, destination: Side | None, version: object,
                   what: str) -> RefitStats:
@@ -210,7 +267,8 @@ class RefitSession:
         t0 = time.perf_counter()
         self.group.check_usable(what)
         before = self.state
-        if destination is not None:
+        staged = isinstance(destination, StagedSide)  # its live tensors stay as they are until apply()
+        if destination is not None and not staged:
             self.state = UPDATING
         report, error, run = WriteReport(), None, None
         try:
@@ -235,20 +293,29 @@ class RefitSession:
             self.failure = self.group.fail(e)
             if destination is not None:
                 destination.abort_write()
-                self.state = POISONED if executor.touched or before == POISONED else before
-            raise RefitError(e.phase, f"{what} failed: {e.message}", ranks=e.ranks, moved=executor.touched) from None
+                self.state = POISONED if (executor.touched and not staged) or before == POISONED else before
+            raise RefitError(e.phase, f"{what} failed: {e.message}", ranks=e.ranks, moved=self._moved(executor)
+                             ) from None
         except Exception as e:  # the store itself is gone (its host died)
             self.failure = self.group.fail(RefitError("commit", f"the control store is gone: {e}", ranks=[0]))
             if destination is not None:
-                self.state = POISONED if executor.touched or before == POISONED else before
-            raise self.failure.but(moved=executor.touched) from None
-        if destination is not None:
+                destination.abort_write()
+                self.state = POISONED if (executor.touched and not staged) or before == POISONED else before
+            raise self.failure.but(moved=self._moved(executor)) from None
+        if staged:
+            self.staged_version, self.state = version, STAGED_STATE
+        elif destination is not None:
             self.version, self.state = version, READY
         elif self.destination is None:
             self.version = version
         return RefitStats(self.rank, version, time.perf_counter() - t0, run.sent_bytes, run.recv_bytes,
                           run.peak_staging_bytes + report.staging_bytes, report.in_place_bytes,
-                          report.reprocessed_bytes, run)
+                          report.reprocessed_bytes, run, report.staging_bytes if staged else 0, report.paths)
+
+    def _moved(self, executor: Executor) -> bool:
+        """Whether live destination bytes may have moved: never before the commit under
+        ``receive="staged"`` (the same option on every rank)."""
+        return executor.touched and self.options.receive != STAGED
 
     # ------------------------------------------------------------------ membership
     def recover(self, *, timeout: timedelta | None = None) -> "RefitSession":

@@ -42,6 +42,9 @@ from ..placements import from_torch_placement, local_pieces
 from ..tensors import LayoutError, Piece, TensorSpec
 
 
+IN_PLACE, REPROCESSED = "in place", "reprocessed"  # WriteReport.paths: written live, or staged and post-processed
+
+
 @dataclass
 class WriteReport:
     """Bytes a destination side took in one refit: written straight into live storage, or staged and
@@ -50,6 +53,7 @@ class WriteReport:
     in_place_bytes: int = 0
     reprocessed_bytes: int = 0
     staging_bytes: int = 0  # peak extra memory for staged buffers
+    paths: dict[str, str] = field(default_factory=dict)  # buffer -> the way its bytes went ("in place", ...)
 
 
 @dataclass
@@ -162,7 +166,7 @@ class Side:
 
     def end_write(self) -> WriteReport:
         """After every byte has arrived: put staged buffers in place; report what went where."""
-        return WriteReport(in_place_bytes=self.layout_bytes())
+        return WriteReport(in_place_bytes=self.layout_bytes(), paths=dict.fromkeys(self.tensors, IN_PLACE))
 
     def abort_write(self) -> None:
         """Drop what :meth:`begin_write` staged without putting it in place (live storage untouched)."""
@@ -234,4 +238,4 @@ def _segment_pieces(spec: TensorSpec, seg: Segment, boxes, buffer: str, rank: in
     return out
 
 
-__all__ = ["Side", "WriteReport", "module_pieces"]
+__all__ = ["IN_PLACE", "REPROCESSED", "Side", "WriteReport", "module_pieces"]

@@ -2,7 +2,9 @@
 
     state      meaning                                        after
     ready      holds every byte of ``version``                connect (version None), a commit
-    updating   a refit is writing                             refit() started
+    updating   a refit is writing in place: must not serve    refit() started (in-place receive)
+    staged     serves ``version``; a committed next version   receive() committed (staged receive),
+               waits in staging to be put in place           until apply()
     poisoned   may hold a mix of versions: must not serve     a refit failed after bytes moved
     empty      never received a version                       join() (a new member)
 
@@ -23,6 +25,12 @@ class DestinationState(str, enum.Enum):
     UPDATING = "updating"
     POISONED = "poisoned"
     EMPTY = "empty"
+    STAGED = "staged"
+
+    @property
+    def servable(self) -> bool:
+        """Whether the rank's live weights are one whole version (ready or staged)."""
+        return self in (DestinationState.READY, DestinationState.STAGED)
 
     def __str__(self) -> str:
         return self.value

@@ -40,7 +40,7 @@ import torch
 from ...frameworks.vllm import vllm_layout
 from ...layout import Layout
 from ...models.arch import from_hf_config
-from ...refit.sides import Side, WriteReport
+from ...refit.sides import IN_PLACE, REPROCESSED, Side, WriteReport
 from ...tensors import LayoutError
 
 
@@ -169,8 +169,9 @@ class VLLMModelSide(Side):
                     loaded[pname].__dict__.update(attributes)
         self._staging = {}
         in_place = self.layout_bytes(self.tensors)
+        paths = {**dict.fromkeys(self.tensors, IN_PLACE), **dict.fromkeys(self.staged_specs, REPROCESSED)}
         return WriteReport(in_place_bytes=in_place, reprocessed_bytes=self.layout_bytes(self.staged_specs),
-                           staging_bytes=staged)
+                           staging_bytes=staged, paths=paths)
 
 
 __all__ = ["VLLMModelSide", "redo_cpu_moe_packing"]

@@ -1,0 +1,124 @@
+"""Refits in the background: the trainer goes on while its weights leave.
+
+``session.refit(version, wait=False)`` starts the refit on a thread and returns a
+:class:`RefitHandle` at once. The sources are read from the live parameter shards while the
+trainer runs its next forward and backward, which read them but do not change them (FSDP2
+unshards into buffers of its own). The first thing that does change them is an optimizer step,
+so while a refit is in flight every optimizer step that would update one of its source tensors
+first waits for it: a global step pre-hook (``torch.optim.Optimizer``), matched by storage, that
+no user has to remember. Other writes (``p.data.copy_``, a manual update) are not seen; call
+:meth:`RefitHandle.wait` before them, or refit from a snapshot (``snapshot=True``: the shards are
+copied first, :attr:`RefitHandle.snapshot_bytes` more memory, and nothing waits)::
+
+    trainer thread                          refit thread
+    h = session.refit(v, wait=False)        sends the shards (read in place)
+    loss = model(batch); loss.backward()    ...
+    optimizer.step()  -> waits for h        ... commits v
+                         then updates
+    h.wait()          -> the RefitStats, or the RefitError every rank raises
+
+>>> import torch
+>>> w = torch.nn.Parameter(torch.ones(2))
+>>> opt = torch.optim.SGD([w], lr=1.0)
+>>> h = RefitHandle(lambda: float(w.detach().sum()), sources=[w])   # a "refit" that reads w
+>>> w.grad = torch.ones(2); opt.step()        # waits for h before changing w
+>>> h.wait(), w.tolist()
+(2.0, [0.0, 0.0])
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from datetime import timedelta
+from typing import Callable, Generic, Iterable, TypeVar
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+Result = TypeVar("Result")
+
+_lock = threading.Lock()
+_in_flight: list["RefitHandle"] = []
+_hook = None  # the global optimizer step pre-hook, while any refit with live sources is in flight
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    to_local = getattr(tensor, "to_local", None)
+    local = to_local() if callable(to_local) else tensor
+    return local.untyped_storage().data_ptr()
+
+
+def _before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """Wait for every in-flight refit that reads a parameter this step changes."""
+    with _lock:
+        handles = list(_in_flight)
+    if not handles:
+        return
+    params = {_storage(p) for group in optimizer.param_groups for p in group["params"]}
+    for handle in handles:
+        if handle.storages & params:
+            handle.guard_waits += 1
+            handle.wait(raise_error=False)
+
+
+class RefitHandle(Generic[Result]):
+    """``run()`` (a refit) on its own thread (see module doc); ``sources``: the live tensors it reads,
+    which optimizer steps wait for it before changing (none: a snapshot, nothing waits);
+    ``snapshot_bytes``: the extra memory its snapshot holds."""
+
+    def __init__(self, run: Callable[[], Result], *, sources: Iterable[torch.Tensor] = (),
+                 snapshot_bytes: int = 0, name: str = "reshard-refit") -> None:
+        global _hook
+        self.storages = {_storage(t) for t in sources}
+        self.snapshot_bytes = snapshot_bytes
+        self.guard_waits = 0  # how many optimizer steps waited for this refit
+        self._future: Future = Future()
+        if self.storages:
+            with _lock:
+                _in_flight.append(self)
+                if _hook is None:
+                    _hook = register_optimizer_step_pre_hook(_before_step)
+        self._thread = threading.Thread(target=self._run, args=(run,), name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self, run: Callable[[], Result]) -> None:
+        try:
+            result = run()
+        except BaseException as error:  # noqa: BLE001 - raised again by wait()
+            self._release()
+            self._future.set_exception(error)
+            return
+        self._release()
+        self._future.set_result(result)
+
+    def _release(self) -> None:
+        global _hook
+        with _lock:
+            if self in _in_flight:
+                _in_flight.remove(self)
+            if not _in_flight and _hook is not None:
+                _hook.remove()
+                _hook = None
+
+    def done(self) -> bool:
+        """Whether the refit has ended (committed or failed)."""
+        return self._future.done()
+
+    def wait(self, timeout: timedelta | float | None = None, *, raise_error: bool = True) -> Result | None:
+        """The refit's result once it ended, or its error raised here (``raise_error``). The refit's own
+        timeout bounds it; ``timeout`` bounds this wait too (a ``TimeoutError`` leaves it running)."""
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+        self._thread.join(seconds)
+        if self._thread.is_alive():
+            raise TimeoutError(f"the refit is still running after {seconds:g} s")
+        if not raise_error:
+            return None
+        return self._future.result()
+
+    def exception(self) -> BaseException | None:
+        """The refit's error once it ended (None: it committed or still runs)."""
+        return self._future.exception() if self.done() else None
+
+
+__all__ = ["RefitHandle"]
