@@ -8,6 +8,18 @@ vLLM drives it through its weight-sync calls (``LLM`` methods, the HTTP server's
     update_weights({"version": v, "method": m}) receive this worker's boxes (the trainer sends at once)
     finish_weight_update(weight_version=v)   vLLM records v once every worker returned from update
 
+**Receiving while serving** (``RefitOptions(receive="staged")``): the update comes in two steps,
+``update_weights({"version": v, "method": m, "step": "receive"})`` starts ``session.receive(v)`` on
+a thread of this worker (a :class:`~reshard.refit.background.RefitHandle`) and returns at once, so
+the worker's main thread goes back to vLLM's RPC loop and serves on the current weights while the
+bytes land in staging; ``update_weights({"step": "apply"})``, once the trainer's own session
+committed and the engine is paused, waits for that thread (at most the session's timeout) and
+puts the staged version in place (:meth:`RefitSession.apply`: copies into live parameters,
+vLLM's layerwise reload for reprocessed layers). A receive that failed leaves the worker
+``ready`` at its version (nothing live was touched; the apply step only records it); a failure
+while putting in place poisons it. ``transfer_state`` says ``receiving`` (the version in flight)
+and ``staging_bytes`` (the last staged receive's, in ``last_stats.receive_staging_bytes`` too).
+
 The trainer picks the method in the init info's options (a :class:`~reshard.options.RefitOptions`,
 as JSON): ``"auto"``, ``"reshard"``, ``"hierarchical"``, ``"hybrid"`` (its rule's tensors by
 reshard, the other tensors by gather-and-broadcast), ``"gather-broadcast"`` (a refit session
@@ -49,7 +61,8 @@ refit completes.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 
 import torch
 from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
@@ -58,6 +71,7 @@ from vllm.logger import init_logger
 
 from ...execution.group import Group
 from ...options import RefitOptions
+from ...refit.background import RefitHandle
 from ...refit.session import RefitSession
 from ...refit.states import DestinationState
 from .broadcast import BROADCAST, receive_broadcast
@@ -97,6 +111,10 @@ class ReshardWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     names: list[str] | None = None  # "broadcast": the tensors coming, in order
     dtype_names: list[str] | None = None
     shapes: list[list[int]] | None = None
+    step: str | None = None  # None: a whole refit; "receive": start a staged receive; "apply": put it in place
+
+
+STEPS = (None, "receive", "apply")
 
 
 class ReshardWeightTransferEngine(WeightTransferEngine[ReshardWeightTransferInitInfo,
@@ -120,6 +138,10 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardWeightTransferInit
         self.version: str | None = None  # the last version a refit committed here (None after a broadcast)
         self.failed_version: str | None = None  # while poisoned: the version whose refit failed
         self.error: str | None = None  # while poisoned: why
+        self.receiving: RefitHandle | None = None  # a staged receive in flight or waiting for its apply step
+        self.receiving_version: str | None = None
+        self.staging_bytes = 0  # the last staged receive's staging (a copy of this worker's part)
+        self.apply_s: float | None = None  # how long the last apply step put the staged version in place
 
     def init_transfer_engine(self, init_info: ReshardWeightTransferInitInfo) -> None:
         """Connect to a trainer; a new connection replaces the one of the same kind (a refit session
@@ -137,6 +159,9 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardWeightTransferInit
                                       backend=init_info.comm_backend, timeout=timeout, prefix=BROADCAST)
                 self.broadcast = (group, init_info.bucket_bytes or BROADCAST_BUCKET_BYTES)
             return
+        if self.receiving is not None:  # a staged receive never applied: the new connection drops it
+            self._wait_receive()
+            self.receiving_version = None
         self._close_session(init_info.method)
         side, failure = None, None
         try:
@@ -184,6 +209,24 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardWeightTransferInit
     def _receive_refit(self, update_info: ReshardWeightTransferUpdateInfo) -> None:
         """One refit by the session of the update's method; a failure is recorded, not raised (see
         module doc)."""
+        if update_info.step not in STEPS:
+            raise ValueError(f"update step {update_info.step!r}: use one of {STEPS}")
+        if update_info.step == "apply":
+            self._apply_staged()
+            return
+        self._pick_session(update_info)
+        if update_info.step == "receive":
+            self._start_receive(update_info.version)
+            return
+        before, self.state = self.state, DestinationState.UPDATING
+        try:
+            self.last_stats = self.session.refit(update_info.version)
+        except Exception as error:  # noqa: BLE001 - every rank of the session raised it; see module doc
+            self._refit_failed(update_info.version, before, error)
+            return
+        self._committed(update_info.version, before)
+
+    def _pick_session(self, update_info: ReshardWeightTransferUpdateInfo) -> None:
         if update_info.method is not None:
             if update_info.method not in self.sessions:
                 raise RuntimeError(f"a refit by method {update_info.method!r} arrived, but this engine is connected "
@@ -191,18 +234,59 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardWeightTransferInit
             self.session = self.sessions[update_info.method]
         if self.session is None:
             raise RuntimeError("a refit arrived, but no reshard trainer is connected")
-        before, self.state = self.state, DestinationState.UPDATING
+
+    def _refit_failed(self, version: str | None, before: DestinationState, error: Exception) -> None:
+        self.last_error = error
+        session_state = getattr(self.session, "state", DestinationState.POISONED)
+        poisoned = before == DestinationState.POISONED or session_state != DestinationState.READY
+        if not poisoned:
+            self.state = before
+        self._failed(f"refit to version {version!r}", version, error, poisoned=poisoned)
+
+    def _start_receive(self, version: str | None) -> None:
+        """Start ``session.receive(version)`` on a thread and return: the worker serves meanwhile."""
+        if self.receiving is not None:  # a receive whose apply step never came (the trainer died): drop it
+            logger.warning("reshard: rank %s: a staged receive of version %r was never applied; starting version %r",
+                           self.rank, self.receiving_version, version)
+            self._wait_receive()
+        session = self.session
+        self.receiving_version = version
+        self.receiving = RefitHandle(lambda: session.receive(version), name=f"reshard-receive-{version}")
+
+    def _wait_receive(self):
+        """The staged receive's stats, or its error (a TimeoutError past the session's timeout)."""
+        handle, self.receiving = self.receiving, None
+        timeout = self.session.options.timeout.total_seconds() if self.session is not None else None
         try:
-            self.last_stats = self.session.refit(update_info.version)
-        except Exception as error:  # noqa: BLE001 - every rank of the session raised it; see module doc
-            self.last_error = error
-            session_state = getattr(self.session, "state", DestinationState.POISONED)
-            poisoned = before == DestinationState.POISONED or session_state != DestinationState.READY
-            if not poisoned:
-                self.state = before
-            self._failed(f"refit to version {update_info.version!r}", update_info.version, error, poisoned=poisoned)
+            return handle.wait(timeout), None
+        except Exception as error:  # noqa: BLE001 - recorded by the caller
+            return None, error
+
+    def _apply_staged(self) -> None:
+        """Wait for the staged receive, then put it in place (see module doc); a failure is recorded."""
+        if self.receiving is None:
+            logger.warning("reshard: rank %s: an apply step arrived without a staged receive", self.rank)
             return
-        self._committed(update_info.version, before)
+        version, before = self.receiving_version, self.state
+        stats, error = self._wait_receive()
+        self.receiving_version = None
+        if error is not None:  # nothing live was touched: the worker keeps its version (unless already poisoned)
+            self._refit_failed(version, before, error)
+            return
+        self.staging_bytes = stats.receive_staging_bytes
+        self.state = DestinationState.UPDATING
+        t0 = time.perf_counter()
+        try:
+            report = self.session.apply()
+        except Exception as error:  # noqa: BLE001 - local: this worker's live weights may be half put in place
+            self.last_error = error
+            self._failed(f"putting version {version!r} in place", version, error, poisoned=True)
+            return
+        self.last_stats = replace(stats, seconds=stats.seconds + time.perf_counter() - t0,
+                                  in_place_bytes=report.in_place_bytes,
+                                  reprocessed_bytes=report.reprocessed_bytes, paths=report.paths)
+        self.apply_s = time.perf_counter() - t0
+        self._committed(version, before)
 
     def _committed(self, version: str | None, before: DestinationState) -> None:
         if before == DestinationState.POISONED:
@@ -225,7 +309,8 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardWeightTransferInit
         """This worker's refit state (plain data; :func:`~reshard.integrations.vllm.inspect.transfer_state`
         reads it through ``collective_rpc``); the state as its plain name."""
         return {"rank": self.rank, "state": self.state.value, "version": self.version,
-                "failed_version": self.failed_version, "error": self.error, "connected": bool(self.sessions)}
+                "failed_version": self.failed_version, "error": self.error, "connected": bool(self.sessions),
+                "receiving": self.receiving_version, "staging_bytes": self.staging_bytes}
 
     def finish_weight_update(self) -> None:
         if self._reload_pending:
@@ -247,6 +332,8 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardWeightTransferInit
                 raise
 
     def shutdown(self) -> None:
+        if self.receiving is not None:
+            self._wait_receive()
         self._close(session=True, broadcast=True)
 
     def _close(self, *, session: bool = False, broadcast: bool = False) -> None:

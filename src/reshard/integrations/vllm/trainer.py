@@ -112,6 +112,8 @@ from typing import Any, Callable, Self
 import torch
 from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine, VLLMWeightSyncClient, WeightSource
 
+from ...options import STAGED
+from ...refit.background import RefitHandle
 from ...refit.session import RefitSession, RefitStats
 from .clients import EngineGroup, HTTPClient, OfflineClient, PrefixCacheResetError, as_client
 from .init_info import ReshardTrainerInitInfo, check_pause_mode
@@ -133,6 +135,9 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
         self.session: RefitSession | None = None
         self.steps = 0
         self.last_stats: RefitStats | None = None
+        # rank 0: each engine's pause in the last refit, seconds from pause to resume as seen here (None: not
+        # paused by the trainer); with receive="staged" only the apply step, else the whole refit
+        self.last_pause_s: list[float | None] = []
 
     @property
     def grace_s(self) -> float:
@@ -195,23 +200,40 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
         ranks = self.init_info.engine_ranks(index)
         return f"engine {index} (refit rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
 
-    def send_weights(self, weight_version: str | None = None, *, pause_mode: str | None = "default") -> RefitStats:
+    def send_weights(self, weight_version: str | None = None, *, pause_mode: str | None = "default",
+                     wait: bool = True) -> RefitStats | RefitHandle[RefitStats]:
         """One refit (on every trainer rank): rank 0 pauses each engine (``pause_mode``: ``"default"`` for
         the init info's, a vLLM pause mode, or None), starts its update, every rank sends while the
         workers receive, every rank commits; then rank 0 records the version on each engine and
         resumes it. If the refit fails, rank 0 gates the engines (see module doc) and every rank
-        raises the session's ``RefitError``."""
+        raises the session's ``RefitError``. With ``receive="staged"`` in the options the engines
+        serve while they receive and pause only to put the version in place (see module doc,
+        "Receiving while serving"). ``wait=False``: the whole send runs on a thread; the returned
+        :class:`~reshard.refit.background.RefitHandle` gives the stats or raises the error on
+        ``wait()``, and an optimizer step over a parameter it sends waits for it first."""
         if self.session is None:
             raise RuntimeError("the reshard trainer engine is not connected")
         mode = self.init_info.pause_mode if pause_mode == "default" else pause_mode
         check_pause_mode(mode)
         self.steps += 1
         version = str(self.steps) if weight_version is None else str(weight_version)
+        if wait:
+            return self._send(version, mode)
+        source = self.session.source
+        sources = list(source.read().values()) if source is not None else []
+        return RefitHandle(lambda: self._send(version, mode), sources=sources, name=f"reshard-send-{version}")
+
+    def _send(self, version: str, mode: str | None) -> RefitStats:
         engines = self._engines() if self.is_sender else []
         paused = [bool(mode) and hasattr(client, "pause_generation") for client in engines]
+        self.last_pause_s = [None] * len(engines)
+        pause_started: list[float | None] = [None] * len(engines)
+        if self.init_info.options.receive == STAGED:
+            return self._send_staged(version, mode, engines, paused, pause_started)
         # one thread per engine: a dead engine fails its own calls, the others join the refit that names it
-        rounds = [in_thread(self._engine_round, client, mode if pause else None, version, self.init_info.options.method)
-                  for client, pause in zip(engines, paused)]
+        rounds = [in_thread(self._engine_round, client, mode if pause else None, version, self.init_info.options.method,
+                            pause_started, index)
+                  for index, (client, pause) in enumerate(zip(engines, paused))]
         try:
             self.last_stats = self.session.refit(version)
         except Exception as error:
@@ -219,15 +241,82 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
                 self._after_failure(error, version, engines, rounds, paused)
             raise
         if self.is_sender:
-            self._after_commit(version, mode, engines, rounds, paused)
+            self._after_commit(version, mode, engines, rounds, paused, pause_started)
         return self.last_stats
 
     @staticmethod
-    def _engine_round(client, mode: str | None, version: str, method: str) -> None:
+    def _engine_round(client, mode: str | None, version: str, method: str, pause_started: list, index: int) -> None:
         if mode:
+            pause_started[index] = time.perf_counter()
             client.pause_generation(mode)
         client.start_weight_update()
         client.update_weights({"version": version, "method": method})
+
+    def _send_staged(self, version: str, mode: str | None, engines: list, paused: list[bool],
+                     pause_started: list) -> RefitStats:
+        """A refit the engines receive while serving (see module doc): each engine's workers start their
+        receive (the call returns at once), every rank sends and commits, then each engine pauses for
+        the apply step only."""
+        method = self.init_info.options.method
+
+        def start(client) -> None:
+            client.start_weight_update()
+            client.update_weights({"version": version, "method": method, "step": "receive"})
+
+        receives = [in_thread(start, client) for client in engines]
+        deadline = time.monotonic() + self.grace_s
+        for future in receives:  # they return at once; a dead engine's ranks fail the refit below, named
+            outcome(future, max(0.0, deadline - time.monotonic()))
+        try:
+            self.last_stats = self.session.refit(version)
+        except Exception as error:
+            if self.is_sender:
+                self._after_staged_failure(error, version, engines, receives, paused)
+            raise
+        if self.is_sender:
+            applies = [in_thread(self._apply_round, receives[index], client, mode if paused[index] else None, version,
+                                 method, pause_started, index) for index, client in enumerate(engines)]
+            self._after_commit(version, mode, engines, applies, paused, pause_started)
+        return self.last_stats
+
+    def _apply_round(self, receive: Future, client, mode: str | None, version: str, method: str,
+                     pause_started: list, index: int) -> None:
+        """After the commit: pause the engine (``mode``), then its workers put the staged version in place."""
+        error = outcome(receive, self.grace_s)
+        if error is not None:
+            raise error
+        if mode:
+            pause_started[index] = time.perf_counter()
+            client.pause_generation(mode)
+        client.update_weights({"version": version, "method": method, "step": "apply"})
+
+    def _after_staged_failure(self, error: Exception, version: str, engines: list, receives: list[Future],
+                              paused: list[bool]) -> None:
+        """A staged refit that failed before its commit: no engine was paused and no live byte moved
+        (``error.moved`` is False), so none is gated; each engine's workers drop their staging (the
+        apply step records the failed receive) and vLLM's update window closes without a version.
+        Only an error that says bytes moved (not a staged session's) gates them, as in-place."""
+        if getattr(error, "moved", True):
+            self._after_failure(error, version, engines, receives, [False] * len(engines))
+            return
+        method = self.init_info.options.method
+
+        def handle(index: int, client) -> list[str]:
+            round_error = outcome(receives[index], self.grace_s)
+            if round_error is not None:
+                return [f"its receive call: {type(round_error).__name__}: {round_error}"]
+            try:
+                client.update_weights({"version": version, "method": method, "step": "apply"})
+                client.finish_weight_update()
+            except Exception as exc:  # noqa: BLE001 - reported on the refit's error
+                return [f"{type(exc).__name__}: {exc}"]
+            return []
+
+        for index, problems in enumerate(self._each_engine(engines, handle)):
+            if problems:
+                note = f"{self._engine_name(index)}: " + "; ".join(problems)
+                logger.warning(note)
+                error.add_note(note)
 
     def _each_engine(self, engines: list, handle: Callable[[int, Any], list[str]]) -> list[list[str]]:
         """``handle(index, client)`` for every engine at once (each engine's calls in turn, on its own
@@ -243,7 +332,7 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
         return problems
 
     def _after_commit(self, version: str, mode: str | None, engines: list, rounds: list[Future],
-                      paused: list[bool]) -> None:
+                      paused: list[bool], pause_started: list | None = None) -> None:
         """Per engine: record the version, drop the prefix cache, resume (see module doc, "Prefix cache")."""
         warned = self.__dict__.setdefault("_warned_no_reset", set())  # ids of clients warned about, once each
 
@@ -270,6 +359,8 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
                 return [self._stale_cache(client, version, exc)]
             if resume:
                 client.resume_generation(clear_cache=False)
+                if pause_started is not None and pause_started[index] is not None:
+                    self.last_pause_s[index] = time.perf_counter() - pause_started[index]
             return []
 
         for index, problems in enumerate(self._each_engine(engines, handle)):
