@@ -18,9 +18,12 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..execution.methods import make_plan
 from ..frameworks.parallel import ModelLayouts, model_layouts
-from ..planning.plan import Plan, plan
-from ..planning.precision import DtypePolicy, PrecisionPlan, precision_layout, precision_plan
+from ..options import RefitOptions
+from ..planning.methods import RESHARD
+from ..planning.plan import Plan
+from ..planning.precision import DtypePolicy, PrecisionPlan, precision_layout
 from .report import render, render_precision, summarize
 
 if TYPE_CHECKING:  # the modeling side (and matplotlib) loads only when a topology is asked for
@@ -81,24 +84,31 @@ class ModelReport:
 
 
 def build_plan_report(model: str, train: str, infer: str, *, independent_engines: bool = False,
-                      precision: str = "bf16", max_bucket_bytes: int | None = None,
-                      baseline: bool = True) -> PlanReport:
-    """Lay out ``model`` both ways, plan the refit (and, ``precision="fp8"``, the FP8 refit) under the
-    staging cap ``max_bucket_bytes``, and summarize it; ``baseline``: count gather-and-broadcast's bytes.
-    A configuration that cannot be laid out or planned raises ``ValueError`` (``LayoutError`` included)."""
+                      options: RefitOptions | None = None, precision: str = "bf16",
+                      max_bucket_bytes: int | None = None, baseline: bool = True) -> PlanReport:
+    """Lay out ``model`` both ways, plan the refit (and, under a dtype policy, the FP8 refit) with
+    ``options`` (a :class:`~reshard.options.RefitOptions`: its staging cap and dtype policy; without
+    one, ``max_bucket_bytes`` and ``precision="fp8"`` or ``"bf16"``), and summarize it; ``baseline``:
+    count gather-and-broadcast's bytes. A configuration that cannot be laid out or planned raises
+    ``ValueError`` (``LayoutError`` and ``OptionsError`` included)."""
     if independent_engines and "independent" not in infer:
         infer += ",independent"
-    policy = DtypePolicy.named("fp8") if precision == "fp8" else None
+    if options is None:
+        options = RefitOptions(method=RESHARD, max_bucket_bytes=max_bucket_bytes,
+                               precision=None if precision == "bf16" else precision)
+    max_bucket_bytes = options.max_bucket_bytes
+    precision = options.precision or "bf16"
+    policy = options.policy
     refit = model_layouts(model, train, infer)
     if policy is not None:  # a split through a block: one line naming the tensor, before any planning
         precision_layout(refit.destination, policy)
     started = time.perf_counter()
-    direct = plan(refit.source, refit.destination, max_bucket_bytes=max_bucket_bytes)
+    direct = make_plan(options.replace(method=RESHARD, precision=None), refit.source, refit.destination)
     plan_s = time.perf_counter() - started
     fp8_plan = fp8_s = None
     if policy is not None:
         started = time.perf_counter()
-        fp8_plan = precision_plan(refit.source, refit.destination, policy, max_bucket_bytes=max_bucket_bytes)
+        fp8_plan = make_plan(options.replace(method=RESHARD), refit.source, refit.destination)
         fp8_s = time.perf_counter() - started
     summary = summarize(refit, direct, baseline=baseline, precision=fp8_plan)
     report = PlanReport(model, train, infer, precision, refit, direct, fp8_plan, policy, summary, plan_s, fp8_s, {})
