@@ -166,6 +166,7 @@ def test_trainer_fault_during_a_staged_receive_leaves_the_engine_serving_its_ver
     before, version = rig.at, llm.get_weight_version()
     after = "w1" if before == "w2" else "w2"
     rig.model.load_state_dict(rig.weights[after])
+    (was,) = _states(llm)
     faults.arm("raise@transfer round 0")
     try:
         with pytest.raises(RefitError) as failure:
@@ -176,7 +177,7 @@ def test_trainer_fault_during_a_staged_receive_leaves_the_engine_serving_its_ver
     assert as_client(llm).gated is None  # not gated: nothing was torn
     assert llm.get_weight_version() == version
     (state,) = _states(llm)
-    assert state["state"] == "ready" and state["version"] == (version if version != "0" else state["version"]), state
+    assert state["state"] == "ready" and state["version"] == was["version"], state
     assert state["receiving"] is None and state["failed_version"] is None, state
     _check_fresh(rig, before)  # it serves its version, untouched
     # the session is broken: a new one, then the next staged refit commits

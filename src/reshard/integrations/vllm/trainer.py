@@ -72,6 +72,20 @@ and 3. One that cannot be reset without being resumed (no ``reset_prefix_cache``
 by the trainer: a client with only vLLM's four weight-sync methods, or such a client under
 ``None``) is not reset: a warning says so, once per client.
 
+**Receiving while serving** (``RefitOptions(receive="staged")``): rank 0 does not pause before
+the transfer. Per engine it calls ``start_weight_update()`` and ``update_weights({..., "step":
+"receive"})``, which return at once (the workers receive on a thread of their own while the engine
+serves its current version); every rank runs its refit; once it committed, per engine:
+``pause_generation(mode)`` (if pausing), ``update_weights({..., "step": "apply"})`` (the workers
+put the staged version in place), then steps 1-3 above. The engine's pause is the apply step only
+(:attr:`ReshardTrainerWeightTransferEngine.last_pause_s`, per engine). A refit that fails before
+its commit moved no live byte (``error.moved`` is False): no engine is paused or gated; each gets
+the apply step (its workers record the failed receive and stay ready at their version) and
+``finish_weight_update()`` without a version. ``send_weights(..., wait=False)`` runs the whole
+send on a thread and returns a :class:`~reshard.refit.background.RefitHandle` (an optimizer step
+over a parameter it sends waits for it). docs/vllm.md, "Receiving while serving", says how vLLM
+lets this happen.
+
 **A failed refit gates the engines.** When a refit fails after bytes may have moved (any
 ``RefitError`` but one at connect or agreement, which move none), the destinations may hold a mix
 of versions (the trainer cannot see which were written, so it treats every engine alike; the
