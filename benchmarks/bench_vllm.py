@@ -10,6 +10,10 @@ same trainer weights go into the same engine by
 
 * ``reshard``: the refit session (each worker receives only its shards, written in place or
   through vLLM's layerwise reload; the trainer casts to bf16 before sending);
+* ``reshard staged``: the same with ``receive="staged"``: each worker receives into staging on a
+  thread of its own while the engine stays free to serve; the trainer then pauses the engine
+  (``pause_generation("keep")``), the workers put the staged bytes in place (a copy, and the
+  layerwise reload the CPU backend needs), and it resumes;
 * ``gloo broadcast``: the path of vLLM's ``nccl`` backend (every trainer rank gathers each full
   tensor, rank 0 broadcasts buckets of 1 GiB in bf16 to every worker, which loads them through
   ``load_weights`` in a layerwise reload). vLLM's own ``nccl`` backend needs CUDA, so gloo
@@ -23,7 +27,10 @@ first and are not reported. Columns, all measured:
 
 * refit s: trainer rank 0, from the call to its return (gathers and the file write included);
 * pause s: the engine's update window, from ``start_weight_update`` to the return of
-  ``finish_weight_update`` (for the checkpoint: the reload call); the engine serves nothing then;
+  ``finish_weight_update`` (for the checkpoint: the reload call); the engine serves nothing then.
+  For ``reshard staged``: from ``pause_generation`` to the return of ``resume_generation`` (the
+  put-in-place, ``finish_weight_update`` and the prefix-cache reset), as the trainer measures it
+  (``last_pause_s``); the transfer before it runs with the engine serving;
 * peak extra MiB: the largest rise of a worker's resident memory (VmHWM, reset before each refit)
   over its resident memory before the refit;
 * in place: share of the bytes written straight into the engine's live tensors (the rest go
@@ -50,7 +57,7 @@ from rich.table import Table
 from reshard.apps.bench_support import print_header
 
 MiB = 1 << 20
-METHODS = ("reshard", "gloo broadcast", "checkpoint")
+METHODS = ("reshard", "reshard staged", "gloo broadcast", "checkpoint")
 
 
 class TimedClient:
@@ -120,17 +127,22 @@ def trainer(rank: int, world: int, path: str, work: str, rounds: int, warmup: in
         torch.manual_seed(1)
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.01)
-    llm, client, ports = None, None, [0, 0]
+    llm, client, ports = None, None, [0, 0, 0]
     try:
         if rank == 0:
             llm = make_engine(path, tp)
             client = TimedClient(as_client(llm))
-            ports = [free_port(), free_port()]
+            ports = [free_port(), free_port(), free_port()]
         dist.broadcast_object_list(ports, src=0)
         reshard = WeightTransferTrainerFactory.trainer_init(
             ReshardTrainerInitInfo(rank=rank, master_address="127.0.0.1", master_port=ports[0], num_trainer_ranks=world,
                                    world_size=world + tp, options=RefitOptions(timeout=300)),
             client=client, source=ReshardSource(model))
+        staged = WeightTransferTrainerFactory.trainer_init(  # its own session on the engine (method "reshard")
+            ReshardTrainerInitInfo(rank=rank, master_address="127.0.0.1", master_port=ports[2], num_trainer_ranks=world,
+                                   world_size=world + tp, options=RefitOptions(method="reshard", timeout=300,
+                                                                               receive="staged")),
+            client=as_client(llm) if rank == 0 else None, source=ReshardSource(model))
         broadcast = WeightTransferTrainerFactory.trainer_init(
             BroadcastTrainerInitInfo(rank=rank, master_address="127.0.0.1", master_port=ports[1],
                                      engine_world_sizes=[tp], wire_dtype="bfloat16", timeout_s=300),
@@ -143,6 +155,8 @@ def trainer(rank: int, world: int, path: str, work: str, rounds: int, warmup: in
                 start = time.perf_counter()
                 if method == "reshard":
                     reshard.send_weights(weight_version=f"reshard-{r}")
+                elif method == "reshard staged":
+                    staged.send_weights(weight_version=f"staged-{r}")
                 elif method == "gloo broadcast":
                     sent = broadcast.send_weights(weight_version=f"broadcast-{r}")
                 else:
@@ -157,10 +171,11 @@ def trainer(rank: int, world: int, path: str, work: str, rounds: int, warmup: in
                     raise AssertionError(f"round {r}, {method}: engine digests {digests} != the first refit's {digest}")
                 row = {"method": method, "round": r, "refit": seconds,
                        "extra_mib": max(a["peak_mb"] - b["rss_mb"] for a, b in zip(after, before))}
-                if method == "reshard":
+                if method in ("reshard", "reshard staged"):
                     stats = llm.collective_rpc(refit_stats)
                     moved = sum(s["in_place"] + s["reprocessed"] for s in stats)
-                    row |= {"pause": client.pause_s(), "in_place": sum(s["in_place"] for s in stats) / moved,
+                    pause = client.pause_s() if method == "reshard" else staged.last_pause_s[0]
+                    row |= {"pause": pause, "in_place": sum(s["in_place"] for s in stats) / moved,
                             "recv_mib": max(s["recv"] for s in stats) / MiB}
                 elif method == "gloo broadcast":
                     row |= {"pause": client.pause_s(), "in_place": 0.0, "recv_mib": sent["recv_bytes"] / MiB}
@@ -168,6 +183,7 @@ def trainer(rank: int, world: int, path: str, work: str, rounds: int, warmup: in
                     row |= {"pause": ckpt["pause"], "in_place": 0.0, "recv_mib": ckpt["recv"] / MiB}
                 rows.append(row)
         reshard.shutdown()
+        staged.shutdown()
         broadcast.shutdown()
         if rank == 0:
             params = sum(p.numel() for p in model.parameters())  # DTensors: the full tensors' sizes
