@@ -24,7 +24,6 @@ and TP=2.
 from __future__ import annotations
 
 import os
-import sys
 import time
 from dataclasses import dataclass
 
@@ -53,10 +52,9 @@ def rig(tmp_path_factory):
     pytest.importorskip("vllm")
     from transformers import AutoModelForCausalLM
 
-    from vllm_helpers import close_engine, reap_engine_processes, save_checkpoint, start_engine
+    from vllm_helpers import close_engine, reap_engine_processes, save_checkpoint, start_engine, use_cpu_engines
 
-    os.environ.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1", HF_HUB_OFFLINE="1",
-                      VLLM_LOGGING_LEVEL="WARNING", PYTHONPATH=os.pathsep.join([HERE] + sys.path))
+    use_cpu_engines(HERE)
     out = tmp_path_factory.mktemp("vllm_failures")
     ckpt = str(out / "ckpt")
     save_checkpoint(ckpt, "dense", dtype=torch.float32)

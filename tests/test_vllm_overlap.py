@@ -19,7 +19,6 @@ Without engines: the order of the trainer's calls in a staged refit and after a 
 from __future__ import annotations
 
 import os
-import sys
 import threading
 from dataclasses import dataclass, field
 
@@ -74,10 +73,10 @@ def rig(tmp_path_factory):
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
     from reshard.integrations.vllm import ReshardSource
-    from vllm_helpers import close_engine, engine_tensors, reap_engine_processes, save_checkpoint, start_engine
+    from vllm_helpers import (close_engine, engine_tensors, reap_engine_processes, save_checkpoint, start_engine,
+                              use_cpu_engines)
 
-    os.environ.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1", HF_HUB_OFFLINE="1",
-                      VLLM_LOGGING_LEVEL="WARNING", PYTHONPATH=os.pathsep.join([HERE] + sys.path))
+    use_cpu_engines(HERE)
     out = tmp_path_factory.mktemp("vllm_overlap")
     ckpts = {name: str(out / name) for name in ("w1", "w2")}
     for seed, path in enumerate(ckpts.values(), start=1):  # bf16 files: the trainer's fp32 copy casts back exactly

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 
 import pytest
@@ -90,10 +89,9 @@ def test_refit_drops_prefix_cache_of_older_weights_in_every_pause_mode(tmp_path)
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
     from reshard.integrations.vllm import ReshardSource, ReshardTrainerInitInfo
-    from vllm_helpers import close_engine, reap_engine_processes, save_checkpoint, start_engine
+    from vllm_helpers import close_engine, reap_engine_processes, save_checkpoint, start_engine, use_cpu_engines
 
-    os.environ.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1", HF_HUB_OFFLINE="1",
-                      VLLM_LOGGING_LEVEL="WARNING", PYTHONPATH=os.pathsep.join([HERE] + sys.path))
+    use_cpu_engines(HERE)
     ckpts = {name: str(tmp_path / name) for name in ("w1", "w2")}
     for seed, path in enumerate(ckpts.values(), start=1):  # bf16 files: the trainer's fp32 copy casts back exactly
         save_checkpoint(path, "dense", seed=seed, max_position_embeddings=1024)

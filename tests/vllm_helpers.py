@@ -15,6 +15,15 @@ from reshard.integrations.vllm.inspect import close_engine, engine_tensors, refi
 PROMPTS = ["hello world", "the quick brown fox"]
 
 
+def use_cpu_engines(tests_dir: str) -> None:
+    """The environment vLLM engines need here (1 GiB of KV cache, collective_rpc with functions, no hub,
+    quiet logs), with the tests' folder on the workers' import path."""
+    import sys
+
+    os.environ.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1", HF_HUB_OFFLINE="1",
+                      VLLM_LOGGING_LEVEL="WARNING", PYTHONPATH=os.pathsep.join([tests_dir] + sys.path))
+
+
 @contextmanager
 def reap_engine_processes():
     """Kill the vLLM processes (``VLLM::EngineCore``, ``VLLM::Worker...``) a test started and left

@@ -128,10 +128,10 @@ class PrecisionExecutor(Executor):
             kwargs["overlap"] = overlap
         self.wire = wire(plan.wire, self.group, **kwargs)
         self.setup_error = self.setup_error or self.wire.setup_error
-        parts = getattr(self.wire, "parts", None)
         if self.setup_error:
             tasks = RankQuantization()
         elif isinstance(self.wire, ReshardExecutor):  # its parts are built: reuse the first phase's reads
+            parts = self.wire.parts
             tasks = plan.quantization(self.rank, first_phase_reads(parts[0]) if parts else [])
         else:
             tasks = plan.quantization(self.rank)

@@ -212,9 +212,9 @@ class RefitSession(MembershipChanges):
         soon as the refit has started on a thread; optimizer steps that would change a source tensor
         wait for it, and ``wait()`` gives the stats or raises the error (``snapshot``: send copies
         of the sources instead, so nothing waits)."""
-        if wait:
-            return self._refit(version, self._read_source(), apply=True)
         src = self._read_source()
+        if wait:
+            return self._refit(version, src, apply=True)
         sources = [] if snapshot else list(src.values())
         snapshot_bytes = 0
         if snapshot:

@@ -120,7 +120,6 @@ import logging
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from datetime import timedelta
 from typing import Any, Callable, Self
 
 import torch
@@ -260,9 +259,7 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
 
     @staticmethod
     def _engine_round(client, mode: str | None, version: str, method: str, pause_started: list, index: int) -> None:
-        if mode:
-            pause_started[index] = time.perf_counter()
-            client.pause_generation(mode)
+        _pause(client, mode, pause_started, index)
         client.start_weight_update()
         client.update_weights({"version": version, "method": method})
 
@@ -299,9 +296,7 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
         error = outcome(receive, self.grace_s)
         if error is not None:
             raise error
-        if mode:
-            pause_started[index] = time.perf_counter()
-            client.pause_generation(mode)
+        _pause(client, mode, pause_started, index)
         client.update_weights({"version": version, "method": method, "step": "apply"})
 
     def _after_staged_failure(self, error: Exception, version: str, engines: list, receives: list[Future],
@@ -326,9 +321,13 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
                 return [f"{type(exc).__name__}: {exc}"]
             return []
 
-        for index, problems in enumerate(self._each_engine(engines, handle)):
-            if problems:
-                note = f"{self._engine_name(index)}: " + "; ".join(problems)
+        self._note_problems(error, self._each_engine(engines, handle))
+
+    def _note_problems(self, error: Exception, problems: list[list[str]]) -> None:
+        """Each engine's problems (by index) after a failed refit: logged and noted on ``error``."""
+        for index, engine_problems in enumerate(problems):
+            if engine_problems:
+                note = f"{self._engine_name(index)}: " + "; ".join(engine_problems)
                 logger.warning(note)
                 error.add_note(note)
 
@@ -422,16 +421,19 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
                 problems.append(f"{type(exc).__name__}: {exc}")
             return problems
 
-        for index, problems in enumerate(self._each_engine(engines, handle)):
-            if problems:
-                note = f"{self._engine_name(index)}: " + "; ".join(problems)
-                logger.warning(note)
-                error.add_note(note)
+        self._note_problems(error, self._each_engine(engines, handle))
 
     def shutdown(self) -> None:
         if self.session is not None:
             self.session.close()
             self.session = None
+
+
+def _pause(client, mode: str | None, pause_started: list, index: int) -> None:
+    """Pause engine ``index`` in ``mode`` (None: not at all), noting when its pause began."""
+    if mode:
+        pause_started[index] = time.perf_counter()
+        client.pause_generation(mode)
 
 
 __all__ = ["ReshardTrainerWeightTransferEngine"]
