@@ -9,6 +9,25 @@ A scenario is one refit from ``sources`` ranks to ``destinations`` ranks with on
 Each driver plays a scenario and judges it into an :class:`Outcome`; :func:`summary` counts what
 an on-call engineer asks about first (hangs, silent corruptions, torn models: all three should be
 0) and times detection and recovery; :func:`print_figures` shows them.
+
+A scenario also belongs to a *family*, the way its refit overlaps the work around it
+(:attr:`Scenario.overlap`; docs/overlap.md)::
+
+    family             sources                               destinations
+    blocking           refit(v)                              receive in place
+    staged receive     refit(v)                              receive="staged": the receive on a thread
+                                                             while the rank serves its version
+    trainer in flight  refit(v, wait=False), then forward,   receive in place
+                       backward and an optimizer step (the
+                       guard makes the step wait), wait()
+    both               as "trainer in flight"                as "staged receive"
+
+Besides the three counts that must stay 0, a failed refit counts the destinations that *kept
+serving the previous version*: alive, ``ready`` at the version they had, their bytes (or, for an
+engine, its greedy tokens and digests) equal to it bit for bit. It is judged against the
+destinations that should have: every staged destination whose refit failed before it started
+putting bytes in place (the put-in-place comes only after the commit), and every in-place one its
+session left ``ready`` (no byte reached it). :func:`family_figures` gives the counts per family.
 """
 
 from __future__ import annotations
@@ -22,6 +41,8 @@ from rich.table import Table
 from ..execution import faults
 
 KINDS = faults.KINDS  # kill, stall, raise, corrupt
+OVERLAPS = ("", "staged", "trainer", "both")  # Scenario.overlap
+FAMILIES = {"": "blocking", "staged": "staged receive", "trainer": "trainer in flight", "both": "both"}
 
 
 @dataclass(frozen=True)
@@ -39,6 +60,25 @@ class Scenario:
     bucket_bytes: int
     first_fault_rank: int | None = None  # a "recovery" scenario: this rank raises first, to start a recovery
     precision: bool = False  # into FP8 engines (gloo suite)
+    overlap: str = ""  # the family (module doc): "" (blocking), "staged", "trainer" or "both"
+
+    def __post_init__(self) -> None:
+        if self.overlap not in OVERLAPS:
+            raise ValueError(f"overlap {self.overlap!r}: use one of {', '.join(map(repr, OVERLAPS))}")
+
+    @property
+    def staged(self) -> bool:
+        """Destinations receive into staging on a thread while they serve (``receive="staged"``)."""
+        return self.overlap in ("staged", "both")
+
+    @property
+    def in_flight(self) -> bool:
+        """Sources refit with ``wait=False`` and step their optimizer while the refit is in flight."""
+        return self.overlap in ("trainer", "both")
+
+    @property
+    def family(self) -> str:
+        return FAMILIES[self.overlap]
 
     @property
     def world(self) -> int:
@@ -61,7 +101,7 @@ class Scenario:
         role = f" ({side})" if side else ""
         return (f"#{self.index} {self.sources}->{self.destinations} {self.fault or 'no fault'} on rank "
                 f"{self.fault_rank}{role}{first}{' checksum' if self.checksum else ''}"
-                f"{' fp8' if self.precision else ''}")
+                f"{' fp8' if self.precision else ''}{f' [{self.family}]' if self.overlap else ''}")
 
 
 @dataclass
@@ -84,6 +124,11 @@ class Outcome:
     engine_restart: bool = False  # (vLLM suite) an engine worker was killed: the engine was replaced
     notes: list[str] = field(default_factory=list)  # what went wrong, in words
     reports: list[dict] = field(default_factory=list)  # (gloo suite) each rank's report: its events
+    kept: int = 0  # destinations (engines) that kept serving the previous version after the failed refit
+    kept_due: int = 0  # those that should have: had not started putting bytes in place (module doc)
+    served: int = 0  # reads (generates) of the live weights while a staged receive was in flight, all checked
+    guard_waits: int = 0  # optimizer steps that found the refit in flight and waited for it
+    guard_broken: int = 0  # optimizer steps that returned while the refit they would change was still running
 
     def record(self, side: str | None = None) -> dict:
         """This outcome as JSON-ready data: the scenario described, each rank's events by rank."""
@@ -113,6 +158,12 @@ def summary(outcomes: list[Outcome], extra: dict | None = None) -> dict:
     for kind in KINDS:
         times = [o.detection_s for o in outcomes if o.detection_s is not None and o.scenario.kind == kind]
         out[f"detection p50/p95 s, {kind} ({len(times)})"] = (percentile(times, 50), percentile(times, 95))
+    out["kept serving the previous version / should have (failed refits)"] = \
+        f"{sum(o.kept for o in outcomes)} / {sum(o.kept_due for o in outcomes)}"
+    if any(o.scenario.overlap for o in outcomes):
+        out["reads of live weights while a staged receive was in flight (all checked)"] = sum(o.served for o in outcomes)
+        out["optimizer steps that waited for a refit in flight / returned before it ended"] = \
+            f"{sum(o.guard_waits for o in outcomes)} / {sum(o.guard_broken for o in outcomes)}"
     out.update(extra or {})
     results: dict[str, int] = {}
     for o in outcomes:
@@ -148,4 +199,42 @@ def bad(outcome: Outcome) -> bool:
     return bool(outcome.hung or outcome.silent or outcome.torn)
 
 
-__all__ = ["KINDS", "Outcome", "Scenario", "bad", "percentile", "print_figures", "summary"]
+def missed(outcome: Outcome) -> bool:
+    """Whether the outcome misses an overlap target: a destination that should have kept serving its
+    previous version did not, or an optimizer step did not wait for the refit it would change."""
+    return outcome.kept < outcome.kept_due or bool(outcome.guard_broken)
+
+
+def family_figures(outcomes: list[Outcome]) -> dict[str, dict]:
+    """Per family (module doc) that has scenarios: the counts the targets are about."""
+    out = {}
+    for overlap, family in FAMILIES.items():
+        mine = [o for o in outcomes if o.scenario.overlap == overlap]
+        if not mine:
+            continue
+        out[family] = {"scenarios": len(mine), "faults fired": sum(o.fired for o in mine),
+                       "hangs": sum(bool(o.hung) for o in mine), "silent": sum(o.silent for o in mine),
+                       "torn": sum(o.torn for o in mine),
+                       "failed refits": sum(not o.result.startswith("committed") for o in mine),
+                       "kept serving the previous version": sum(o.kept for o in mine),
+                       "  should have (had not started putting bytes in place)": sum(o.kept_due for o in mine),
+                       "optimizer steps that waited / returned first": f"{sum(o.guard_waits for o in mine)} / "
+                                                                       f"{sum(o.guard_broken for o in mine)}"}
+    return out
+
+
+def print_families(console: Console, families: dict[str, dict], title: str = "per family") -> None:
+    """:func:`family_figures` as one table: a row per figure, a column per family."""
+    if not families:
+        return
+    table = Table(title=title)
+    table.add_column("figure")
+    for family in families:
+        table.add_column(family, justify="right")
+    for figure in next(iter(families.values())):
+        table.add_row(figure, *(str(figures[figure]) for figures in families.values()))
+    console.print(table)
+
+
+__all__ = ["FAMILIES", "KINDS", "OVERLAPS", "Outcome", "Scenario", "bad", "family_figures", "missed", "percentile",
+           "print_families", "print_figures", "summary"]

@@ -14,6 +14,20 @@ and scales are checked against the reference quantizer. Every rank:
        then recovers (new group without the ranks that did not come back) and refits to version 2
     3. checks every committed destination against the expected values, byte for byte
 
+A scenario's family (:attr:`Scenario.overlap`, the fault_scenarios module doc) says how the refit
+overlaps other work. ``staged``: every rank connects with ``receive="staged"``; a destination runs
+``session.receive(v)`` on a thread and meanwhile *serves*, reading its live buffers every
+``SERVE_EVERY_S`` and checking that they hold its version exactly (a mix is a torn model served),
+then checks them once more after the commit and calls ``session.apply()``; after a failed receive
+it must be ``ready`` at version 0 with version 0's bytes: it *kept serving the previous version*.
+``trainer``: a source's buffers are a :class:`Trainer`'s parameters; it calls
+``session.refit(v, wait=False)``, runs a forward, a backward and an SGD step that takes its
+parameters to the next version in place (the step must wait for the refit: an optimizer step
+that returns while the refit still runs is counted as a broken guard, and one the guard did not
+stop would send the next version's bytes, a silent corruption), then ``wait()``: the refit's
+stats or its ``RefitError``, which every rank must raise as a blocking refit would. The recovery
+refit then sends what the step made (version 2). ``both``: the two together.
+
 The driver runs the ranks as persistent worker processes (a killed one is replaced; no scenario
 starts before every worker says it is ready), bounds each scenario, and judges it into an
 :class:`~reshard.apps.fault_scenarios.Outcome` (the model the vLLM suite shares): hangs (a live
@@ -45,6 +59,7 @@ from ..layout import Layout
 from ..placements import Replicate, Shard
 from ..planning.precision import KEEP, DtypePolicy, FP8Block, precision_layout
 from ..quant import FP8_DTYPE, SCALE_SUFFIX, quantize_blocks
+from ..refit.background import RefitHandle
 from ..refit.session import RefitSession
 from ..refit.sides import Side
 from ..refit.states import DestinationState
@@ -148,11 +163,77 @@ def holds_version(layout: Layout, rank: int, buffers: dict[str, torch.Tensor], v
 
 
 # ---------------------------------------------------------------------------- one rank
+STEP = 1000.0  # one optimizer step takes a source from version v to v + 1 (full_value: 1000 apart per version)
+SERVE_EVERY_S = 0.01  # how often a staged destination reads its live weights while its receive is in flight
+
+
+class Trainer:
+    """A source rank as a trainer holds it: its buffers are parameters, and one forward, backward and
+    SGD step (lr 1, every gradient ``-STEP``) takes them exactly to the next version, in place, so that
+    a refit reading them after the step would send the next version's bytes."""
+
+    def __init__(self, buffers: dict[str, torch.Tensor]) -> None:
+        self.params = {name: torch.nn.Parameter(t) for name, t in buffers.items()}
+        self.optimizer = torch.optim.SGD(list(self.params.values()), lr=1.0)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The parameters' storage, as the refit's source side reads it."""
+        return {name: p.detach() for name, p in self.params.items()}
+
+    def step(self) -> None:
+        """Forward and backward (they read the parameters), then the optimizer step (it changes them)."""
+        if not self.params:
+            return
+        loss = sum((p * -STEP).sum() for p in self.params.values())
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+
+def _refit(s: Scenario, session: RefitSession, version: int, out: dict, *, trainer: Trainer | None = None,
+           serving: tuple | None = None):
+    """One refit of ``session`` to ``version`` in the scenario's family (fault_scenarios module doc):
+    a source in flight steps ``trainer`` meanwhile (if given); a staged destination receives on a thread
+    while it serves, checking its live weights each ``SERVE_EVERY_S`` against ``serving`` (``(layout,
+    rank, buffers, version they hold)``; None: it holds no whole version, nothing to check), then puts
+    the version in place. Raises what the refit raises."""
+    if s.in_flight and session.source is not None:
+        handle = session.refit(version, wait=False)
+        if trainer is not None:
+            trainer.step()  # the guard: the optimizer step waits for the refit reading its parameters
+            if not handle.done():
+                out["guard_broken"] += 1
+                out["notes"].append(f"rank {session.rank}: the optimizer step returned while the refit to version "
+                                    f"{version} still ran")
+        out["guard_waits"] += handle.guard_waits
+        return handle.wait()
+    if not (s.staged and session.destination is not None):
+        return session.refit(version)
+    handle = RefitHandle(lambda: session.receive(version), name=f"fault-suite-receive-{version}")
+    while not handle.done():  # serving: the live weights stay one whole version throughout
+        if serving is not None:
+            if not holds_version(*serving):
+                out["torn"] += 1
+                out["notes"].append(f"rank {session.rank}: its live weights held a mix while it received version "
+                                    f"{version}")
+                serving = None
+            else:
+                out["served"] += 1
+        time.sleep(SERVE_EVERY_S)
+    stats = handle.wait()  # the receive's error, raised here
+    if serving is not None and not holds_version(*serving):
+        out["torn"] += 1  # committed, not yet applied: still the previous version
+        out["notes"].append(f"rank {session.rank}: version {version} reached its live weights before apply()")
+    session.apply()
+    return stats
+
+
 def run_rank(s: Scenario, rank: int, store_addr: str) -> dict:
     """Play ``rank``'s part of scenario ``s``; returns what happened (see module doc)."""
     host, _, port = store_addr.rpartition(":")
     store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30), wait_for_workers=False)
-    out = {"rank": rank, "events": [], "fault_fired": False, "silent": 0, "torn": 0}
+    out = {"rank": rank, "events": [], "fault_fired": False, "silent": 0, "torn": 0, "kept": 0, "kept_due": 0,
+           "served": 0, "guard_waits": 0, "guard_broken": 0, "notes": []}
 
     def fired(point: str) -> None:
         store.set(f"fault/{rank}", repr(time.time()))
@@ -165,37 +246,53 @@ def run_rank(s: Scenario, rank: int, store_addr: str) -> dict:
     src_layout, dst_layout = scenario_layouts(s)
     held = engine_layout(s, dst_layout)  # what destinations hold: FP8 weights and scales in FP8 scenarios
     timeout = timedelta(seconds=s.timeout_s)
-    source = Side.from_layout(src_layout, rank, rank_buffers(src_layout, rank, 1)) if rank < s.sources else None
+    trainer, source = None, None
+    if rank < s.sources:
+        src_buffers = rank_buffers(src_layout, rank, 1)
+        if s.in_flight:
+            trainer = Trainer(src_buffers)
+            src_buffers = trainer.tensors()
+        source = Side.from_layout(src_layout, rank, src_buffers)
     dst_buffers = rank_buffers(held, rank, 0) if rank >= s.sources else {}
     destination = Side.from_layout(dst_layout, rank, dst_buffers) if dst_buffers else None
+    serving = (held, rank, dst_buffers, 0)
     session = None
     try:
         session = RefitSession.connect(source=source, destination=destination, store_addr=store_addr, rank=rank,
                                        world_size=s.world, timeout=timeout, host_store=False, method="reshard",
                                        checksum=s.checksum, max_bucket_bytes=s.bucket_bytes,
-                                       member=f"rank{rank}", precision=fp8_policy() if s.precision else None)
-        session.refit(1)
+                                       member=f"rank{rank}", precision=fp8_policy() if s.precision else None,
+                                       receive="staged" if s.staged else "in-place")
+        _refit(s, session, 1, out, trainer=trainer, serving=serving)
         out["events"].append(("committed", 1, time.time()))
         _check(out, held, rank, dst_buffers, 1, destination)
         return out
     except RefitError as e:
         out["events"].append(("error", e.phase, list(e.ranks), str(e)[:300], time.time()))
         if destination is not None and session is not None:
-            state = session.state
-            state_ok = state == DestinationState.POISONED or (
-                state == DestinationState.READY and holds_version(held, rank, dst_buffers, session.version or 0))
-            if not state_ok:
+            state, previous = session.state, session.version or 0
+            whole = state == DestinationState.READY and holds_version(held, rank, dst_buffers, previous)
+            if not (state == DestinationState.POISONED or whole):
                 out["torn"] += 1
+            # a staged destination puts bytes in place only after the commit; an in-place one its session
+            # left ready received none: either should still serve the version it had, bit for bit
+            if s.staged or state == DestinationState.READY:
+                out["kept_due"] += 1
+                out["kept"] += int(whole and previous == 0)
+                if not (whole and previous == 0):
+                    out["notes"].append(f"rank {rank}: {state} at version {session.version!r} after the failed refit, "
+                                        f"{'holding' if whole else 'not holding'} version {previous}")
+            serving = (held, rank, dst_buffers, previous) if whole else None
     if session is None:
         return out  # nothing to recover: connecting failed
     if s.first_fault_rank is not None and rank == s.fault_rank:
         faults.arm(s.fault, on_fire=fired)  # the recovery fault, now that the first failure happened
     try:
         recovered = session.recover()
-        if recovered.source is not None:
+        if recovered.source is not None and trainer is None:
             for t in recovered.source.tensors.values():
-                t.add_(1000)  # version 1 -> version 2 (values differ by 1000 per version)
-        recovered.refit(2)
+                t.add_(STEP)  # version 1 -> version 2 (a trainer in flight took its step already)
+        _refit(s, recovered, 2, out, serving=serving)
         out["events"].append(("recovered", recovered.group.size, time.time()))
         _check(out, held, rank, dst_buffers, 2, recovered.destination)
         recovered.close()
@@ -222,6 +319,7 @@ class WorkerNotReady(RuntimeError):
 
 def _worker(slot: int, tasks, results) -> None:
     torch.set_num_threads(1)
+    Trainer({"w": torch.zeros(2)}).step()  # the optimizer's lazy imports (seconds), before any scenario's timeout
     results.put({"ready": slot, "pid": os.getpid()})  # imports done (this module's, at unpickling)
     while True:
         task = tasks.get()
@@ -232,7 +330,8 @@ def _worker(slot: int, tasks, results) -> None:
             report = run_rank(s, rank, addr)
         except Exception:  # noqa: BLE001 - a harness bug: report it, do not hang the driver
             report = {"rank": rank, "events": [("harness error", traceback.format_exc()[-800:])],
-                      "fault_fired": False, "silent": 0, "torn": 0}
+                      "fault_fired": False, "silent": 0, "torn": 0, "kept": 0, "kept_due": 0, "served": 0,
+                      "guard_waits": 0, "guard_broken": 0, "notes": []}
         results.put({**report, "run": run_id})
         faults.arm(None)
 
@@ -325,6 +424,9 @@ class Driver:
         o.hung = [r for r in range(s.world) if r not in reports and not (r in lost and fired)]
         o.silent = sum(r["silent"] for r in reports.values())
         o.torn = sum(r["torn"] for r in reports.values())
+        for key in ("kept", "kept_due", "served", "guard_waits", "guard_broken"):
+            setattr(o, key, sum(r[key] for r in reports.values()))
+        o.notes = [n for r in reports.values() for n in r["notes"]]
         errors = [e for r in reports.values() for e in r["events"] if e[0] == "error"]
         if fired_ranks and errors:
             t0 = min(float(store.get(f"fault/{r}").decode()) for r in fired_ranks)

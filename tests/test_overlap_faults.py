@@ -1,0 +1,99 @@
+"""Faults while a refit overlaps other work (issue 19 §5): a staged destination receiving on a thread
+while it serves, a trainer stepping with ``refit(wait=False)`` in flight, and both at once.
+
+A fixed subset of ``benchmarks/bench_faults.py``'s overlap families, over real gloo processes
+(:mod:`reshard.apps.fault_suite`). Each scenario asserts what the suite counts: no hang, no silent
+corruption, no torn model (a staged destination also checks its live weights, every 10 ms while
+its receive is in flight, against the version it holds), every rank told, every destination that
+had not started putting bytes in place still ``ready`` at its previous version with its bytes, no
+optimizer step returning while the refit it would change still ran; then the survivors refit
+again. A control shows the "kept serving" count can fall short: the same fault with in-place
+destinations leaves the one it reached poisoned.
+
+Timeouts: each refit's is ``T`` (5 s: a loaded 2-core machine stretches a clean refit of these
+layouts to well under 1 s); the workers are started and ready (torch, the optimizer's imports)
+before any scenario runs, so no timeout includes a process start (``Driver``'s own bound: 120 s).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from reshard.apps.fault_scenarios import Outcome, Scenario, family_figures, missed
+from reshard.apps.fault_suite import Driver
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+T = 5.0
+
+
+def scenario(i, fault, rank, overlap, checksum=False):
+    """2 sources -> 2 destinations, seed 7 (several rounds at a 512-byte staging cap, as in test_failures)."""
+    return Scenario(i, 7, 2, 2, fault, rank, checksum=checksum, timeout_s=T, bucket_bytes=512, overlap=overlap)
+
+
+# (scenario, what it must come to)
+CASES = [
+    # staged receive: the fault strikes while the destinations receive on their thread and serve
+    (scenario(0, "kill@transfer round 0", 0, "staged"), {"recovered", "unrecoverable: a source's only copy was lost"}),
+    (scenario(1, "raise@transfer round 1", 3, "staged"), {"recovered"}),  # in a destination's own receive thread
+    (scenario(2, "corrupt@transfer round 0", 0, "staged", checksum=True), {"recovered"}),
+    # trainer in flight: the fault strikes in the refit thread while the trainer runs forward, backward, step
+    (scenario(3, "raise@transfer round 0", 0, "trainer"), {"recovered"}),
+    (scenario(4, "raise@commit", 1, "trainer"), {"recovered"}),
+    # both: the trainer in flight, the destinations staged
+    (scenario(5, "raise@transfer round 0", 1, "both"), {"recovered"}),
+    (scenario(6, None, 0, "both"), {"committed"}),
+]
+
+
+def _check(o: Outcome, expected: set[str]) -> None:
+    s = o.scenario
+    where = s.describe()
+    if s.fault is not None:
+        assert o.fired, f"{where}: the fault never fired"
+    assert not o.hung, f"{where}: ranks {o.hung} never reported (a hang)"
+    assert o.silent == 0, f"{where}: a committed destination holds wrong bytes"
+    assert o.torn == 0, f"{where}: a destination held or served a mix of versions: {o.notes}"
+    assert o.guard_broken == 0, f"{where}: an optimizer step did not wait for the refit: {o.notes}"
+    assert o.result in expected, f"{where}: came to {o.result!r}, expected one of {expected}; {o.notes}"
+    if s.fault is None:
+        return
+    surviving = s.destinations - (s.fault_rank >= s.sources and s.kind == "kill")
+    if s.staged:  # every surviving staged destination kept serving its version, bit for bit
+        assert o.kept == o.kept_due == surviving, f"{where}: kept {o.kept} of {o.kept_due} (due), {surviving} alive"
+    assert not missed(o), f"{where}: {o.notes}"
+    assert o.detection_s is not None and o.detection_s < 3 * T + 5, (where, o.detection_s)
+    errors = [e for r in o.reports for e in r["events"] if e[0] == "error"]
+    live = s.world - (s.kind == "kill")
+    assert len(errors) == live, f"{where}: {len(errors)} of {live} live ranks raised: {errors}"
+    assert all(s.fault_rank in e[2] for e in errors), f"{where}: not every rank named rank {s.fault_rank}: {errors}"
+
+
+def test_faults_during_a_staged_receive_or_with_the_trainer_in_flight():
+    driver = Driver(workers=4)
+    outcomes = []
+    try:
+        for s, expected in CASES:
+            o = driver.run(s)
+            outcomes.append(o)
+            _check(o, expected)
+        # the control: the destination fault of case 1, received in place, poisons what it reached
+        o = driver.run(scenario(7, "raise@transfer round 1", 3, ""))
+    finally:
+        driver.close()
+    assert o.fired and not o.hung and o.silent == 0 and o.torn == 0 and o.result == "recovered", (o.result, o.notes)
+    assert o.kept < 2, "in place, the destination the failed refit reached cannot have kept its version"
+    families = family_figures(outcomes)
+    assert set(families) == {"staged receive", "trainer in flight", "both"}
+    # trainer ranks stepped while their refit was in flight, and the guard made those steps wait
+    assert sum(o.guard_waits for o in outcomes if o.scenario.in_flight) >= 1
+    assert sum(o.served for o in outcomes if o.scenario.staged) >= 1  # the staged ranks served while receiving
+
+
+def test_missed_targets_are_counted():
+    s = scenario(0, "raise@transfer round 0", 0, "staged")
+    assert not missed(Outcome(s, kept=2, kept_due=2))
+    assert missed(Outcome(s, kept=1, kept_due=2))
+    assert missed(Outcome(scenario(1, "raise@commit", 0, "trainer"), guard_broken=1))
+    with pytest.raises(ValueError, match="overlap"):
+        scenario(2, None, 0, "sideways")
