@@ -117,3 +117,40 @@ def arm_fault(worker, fault: str | None) -> None:
     from reshard.execution import faults
 
     faults.arm(fault)
+
+
+def start_async_engine(path: str, tp: int = 1, **options):
+    """A tiny in-process ``AsyncLLM`` on the ``reshard`` backend, with the options of :func:`start_engine`,
+    as its :class:`~reshard.integrations.vllm.clients.AsyncLLMClient` (``close()`` shuts it down)."""
+    from vllm.config import WeightTransferConfig
+
+    from reshard.integrations.vllm import AsyncLLMClient
+
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % (os.cpu_count() or 1)) for r in range(tp))
+    return AsyncLLMClient.start(model=path, tensor_parallel_size=tp, dtype="bfloat16", enforce_eager=True,
+                                **{"max_model_len": 128, "enable_prefix_caching": False, **options},
+                                weight_transfer_config=WeightTransferConfig(backend="reshard"))
+
+
+def linear_probes(worker) -> dict[str, torch.Tensor]:
+    """Each CPU linear layer's weight as the layer computes with it: an identity matrix pushed through
+    ``layer.cpu_linear`` (no bias) gives the weight back, transposed, bit for bit (every output is one
+    weight times 1, accumulated with zeros). Where vLLM packed the weight into a oneDNN handler no tensor
+    holds it, so :func:`engine_tensors` cannot see it; this can (for ``collective_rpc``)."""
+    model = worker.model_runner.get_model()
+    out = {}
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            linear = getattr(module, "cpu_linear", None)
+            size = next((getattr(module, key) for key in ("input_size_per_partition", "input_size", "embedding_dim")
+                         if getattr(module, key, None)), None)
+            if linear is None or size is None:
+                continue
+            dtype = getattr(module, "params_dtype", torch.bfloat16)
+            out[f"probe:{name}"] = linear(torch.eye(size, dtype=dtype), module.weight, None).clone()
+    return out
+
+
+def computed_tensors(worker) -> dict[str, torch.Tensor]:
+    """:func:`engine_tensors` (parameters, buffers, packed-weight tensors) and :func:`linear_probes`."""
+    return {**engine_tensors(worker), **linear_probes(worker)}

@@ -5,8 +5,9 @@
     model.py      a live vLLM model as the destination side (in place, or through vLLM's layerwise reload)
     init_info.py  trainer side: ReshardTrainerInitInfo, how the trainer ranks and engines form the refit group
     source.py     trainer side: ReshardSource, a trainer rank's local shards and their layout
-    clients.py    the engines as the trainer drives them: OfflineClient, HTTPClient (pause, gate:
-                  WeightsPoisonedError), EngineGroup (several engines as one client)
+    clients.py    the engines as the trainer drives them: OfflineClient, HTTPClient, AsyncLLMClient (pause,
+                  gate: WeightsPoisonedError; AsyncLLMClient.stream times each token), EngineGroup (several
+                  engines as one client)
     threads.py    calls made bounded: each on a daemon thread, waited for at most a given time
     trainer.py    trainer side: ReshardTrainerWeightTransferEngine; pausing around refits, and gating
                   engines a failed refit may have torn
@@ -33,7 +34,8 @@ Importing this package does not import vLLM; its names load on first use.
 
 _NAMES = {"ReshardTrainerInitInfo": "init_info", "ReshardSource": "source",
           "ReshardTrainerWeightTransferEngine": "trainer", "EngineGroup": "clients", "OfflineClient": "clients",
-          "HTTPClient": "clients", "WeightsPoisonedError": "clients", "ReshardWeightTransferEngine": "engine",
+          "HTTPClient": "clients", "AsyncLLMClient": "clients", "TokenStream": "clients",
+          "WeightsPoisonedError": "clients", "ReshardWeightTransferEngine": "engine",
           "ReshardWeightTransferInitInfo": "engine", "VLLMModelSide": "model", "register": "plugin",
           "BroadcastTrainerInitInfo": "broadcast", "full_checkpoint_tensors": "broadcast",
           "transfer_state": "inspect"}
