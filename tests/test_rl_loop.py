@@ -11,6 +11,12 @@ run a few GRPO steps, refitting the engine after each update by every method in 
   actor or Ray runtime.
 
 One run with local processes, one with Ray actors in placement groups.
+
+The asynchronous loop (``reshard.apps.rl.async_loop``, one-step off-policy): the engine's rule that
+a batch never straddles a weight change (:class:`~reshard.apps.rl.batch_gate.BatchGate`, with
+threads, no processes), and a real run with every method, verified, whose batches are each of one
+version at most one behind the trainer, whose apply windows fall between batches, and whose reward
+rises.
 """
 
 from __future__ import annotations
@@ -18,10 +24,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from reshard.apps.rl.batch_gate import BatchGate
 from reshard.apps.rl.grpo import Sample, batch_tensors, group_advantages, policy_loss
 from reshard.apps.rl.loop import VersionError, batch_version
 
 SHORT = {"prompts": 2, "group": 4, "max_tokens": 6, "timeout_s": 120.0}
+ASYNC_STEPS, ASYNC_LR = 12, 3e-2  # the async test: enough steps for the reward to rise (the demo's batch size)
 
 
 # ---------------------------------------------------------------------- no processes
@@ -37,6 +48,73 @@ def test_batch_version_refuses_mixed_or_stale_batches():
         batch_version([[done, mixed]], "3")
     with pytest.raises(VersionError, match="spans"):
         batch_version([[{"ids": [5, 6, 7], "versions": [("3", 0, 2)]}]], "3")
+
+
+def _in_thread(fn) -> Future:
+    """``fn()`` on a thread of its own: its future."""
+    return ThreadPoolExecutor(1).submit(fn)
+
+
+def _eventually(cond, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def test_batch_gate_a_weight_change_waits_for_the_batch_in_flight():
+    gate = BatchGate("0", timeout_s=30.0)
+    gate.begin_batch("0")
+    change = _in_thread(gate.stop_serving)
+    time.sleep(0.05)
+    assert not change.done() and gate.serving == "0"  # held while the batch generates
+    ended = gate.end_batch()
+    assert change.result(30) == ended and gate.serving is None
+
+
+def test_batch_gate_a_batch_waits_for_its_version_and_goes_before_the_next_change():
+    gate = BatchGate("0", timeout_s=30.0)
+    gate.stop_serving()  # refit 1 under way
+    batch = _in_thread(lambda: gate.begin_batch("1"))
+    time.sleep(0.05)
+    assert not batch.done() and gate.asked == ["1"]  # the engine does not serve version 1 yet
+    gate.serve("1")
+    assert batch.result(30) and gate.running == "1"
+    # a batch that asked for the version served now goes before the next weight change
+    waiting = _in_thread(lambda: gate.begin_batch("1"))
+    assert _eventually(lambda: gate.asked == ["1"])  # behind the batch running
+    change = _in_thread(gate.stop_serving)
+    time.sleep(0.05)
+    gate.end_batch()
+    assert waiting.result(30) and gate.running == "1" and gate.serving == "1"
+    time.sleep(0.05)
+    assert not change.done()
+    gate.end_batch()
+    change.result(30)
+    assert gate.serving is None
+
+
+def test_batch_gate_waits_are_bounded():
+    gate = BatchGate("0", timeout_s=0.1)
+    with pytest.raises(TimeoutError, match="version '2'"):
+        gate.begin_batch("2")
+    gate.begin_batch("0")
+    with pytest.raises(TimeoutError, match="weight change"):
+        gate.stop_serving()
+
+
+def test_async_staleness_is_checked():
+    from reshard.apps.rl.async_loop import StalenessError, checked_version
+
+    done = {"ids": [5, 6], "versions": [("3", 0, 2)]}
+    assert checked_version([[done]], "3", 4) == ("3", 1)
+    assert checked_version([[done]], "3", 3) == ("3", 0)
+    with pytest.raises(StalenessError, match="staleness 2"):
+        checked_version([[done]], "3", 5)
+    with pytest.raises(VersionError, match="refitted to '4'"):  # not the version the batch asked for
+        checked_version([[done]], "4", 4)
 
 
 def test_grpo_gradient_pushes_up_the_better_completion():
@@ -92,13 +170,14 @@ def _check_run(result, methods) -> None:
         assert record.logprob_gap < 0.1, f"step {step}: the engine samples from other weights than the trainer's"
 
 
-def _run(cfg):
-    """Run the loop; nothing it started may outlive it: no child of this process, no process with the
+def _run(cfg, run=None):
+    """Run the loop (``run``: the asynchronous one; default the synchronous); nothing it started may outlive it: no child of this process, no process with the
     run's id in its environment (the actors and vLLM's processes: the engine's EngineCore and workers),
     and none that the loop's cleanup had to kill (every actor closed)."""
-    from reshard.apps.rl.loop import run
+    from reshard.apps.rl.loop import run as run_sync
     from reshard.apps.rl.orchestrate import run_processes
 
+    run = run or run_sync
     before = _children()
     result = run(cfg)  # (its own cleanup kills what carries its run id: no machine-wide reaping here)
     assert result.run_id
@@ -131,3 +210,38 @@ def test_rl_loop_ray_actors():
     result = _run(RLConfig(steps=2, methods=methods, verify=True, orchestrator="ray", **SHORT))
     _check_run(result, methods)
     assert not ray.is_initialized()  # the loop started Ray, so it shut it down: no actor outlives it
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_async_loop_one_step_off_policy_every_method():
+    """The asynchronous loop, every method, verified: each batch one version, the one it asked for, at most
+    one behind the trainer; the reshard backend's refits in the background (staged), the baselines
+    blocking; every apply window between two batches; and the reward rises.
+
+    The run is deterministic for its seed (the engine's rule fixes which version samples which batch, and
+    sampling is seeded), so the reward check does not depend on the machine's speed."""
+    pytest.importorskip("vllm")
+    from reshard.apps.rl.async_loop import check_order, run
+    from reshard.apps.rl.loop import RLConfig
+    from reshard.apps.rl.policy import REFIT_METHODS, SESSION_METHODS
+
+    methods = REFIT_METHODS
+    cfg = RLConfig(steps=ASYNC_STEPS, methods=methods, verify=True, asynchronous=True, lr=ASYNC_LR, timeout_s=120.0)
+    result = _run(cfg, run)
+    assert len(result.steps) == cfg.steps
+    for step, record in enumerate(result.steps):
+        assert record.method == methods[step % len(methods)]
+        assert record.version == str(max(step - 1, 0))  # batch k sampled by the weights after k - 1 updates
+        assert record.staleness == min(step, 1)
+        assert record.verified is True
+        assert record.overlapped == (record.method in SESSION_METHODS)
+        assert record.refit > 0 and record.pause is not None and record.pause > 0 and record.blocked > 0
+        assert record.logprob_gap < 1.0
+    check_order(result.steps)  # the loop checked it too; here on the records it returned
+    for before, after in zip(result.steps, result.steps[2:]):
+        assert after.timeline["batch_started"] >= before.timeline["window_end"]
+    first = sum(s.reward for s in result.steps[:3]) / 3
+    last = sum(s.reward for s in result.steps[-3:]) / 3
+    assert last > first + 0.1 and last > result.random_reward + 0.1, (
+        f"the reward did not rise: first 3 steps {first:.3f}, last 3 {last:.3f}, random {result.random_reward:.3f}")

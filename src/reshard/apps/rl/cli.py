@@ -1,7 +1,8 @@
 """``reshard rl-demo``: GRPO on a tiny Qwen3, FSDP2 trainers -> vLLM rollouts, a refit after every update.
 
 Prints each step as it goes, then the step-time table (per refit method and phase) and the reward
-curve (with ``--control``: beside a run with the refit switched off); writes ``rl_step_time.png``,
+curve (with ``--control``: beside a run with the refit switched off; with ``--async``: the
+synchronous run, then the asynchronous one, one-step off-policy, and one table of both); writes ``rl_step_time.png``,
 ``rl_reward.png``, ``rl_run.json`` (every step) and ``rl_actors.log`` (the actors' output) to
 ``--out``.
 """
@@ -58,6 +59,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="local processes, or Ray actors in placement groups (default %(default)s)")
     p.add_argument("--no-refit", action="store_true", help="the control only: the engine never gets new weights")
     p.add_argument("--control", action="store_true", help="after the run, the same run with the refit switched off")
+    p.add_argument("--async", dest="asynchronous", action="store_true",
+                   help="after the synchronous run, the asynchronous one (one-step off-policy: generation of step "
+                        "k+1 overlaps training of step k, the refit overlaps both; staleness at most 1) and a table "
+                        "of both per method")
     p.add_argument("--verify", action="store_true",
                    help="after every refit, check the engine's bytes against a reference refit (slower)")
     p.add_argument("--trainers", type=int, default=d.trainers, help="FSDP2 trainer ranks (default %(default)s)")
@@ -76,11 +81,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-def config(args, *, refit: bool | None = None):
+def config(args, *, refit: bool | None = None, asynchronous: bool = False):
     from .loop import RLConfig
 
     return RLConfig(steps=args.steps, methods=args.methods or _methods(_default_methods()),
                     refit=(not args.no_refit) if refit is None else refit, orchestrator=args.orchestrator,
+                    asynchronous=asynchronous,
                     trainers=args.trainers, tp=args.tp, prompts=args.prompts, group=args.group,
                     max_tokens=args.max_tokens, hidden=args.hidden, layers=args.layers, lr=args.lr, seed=args.seed, verify=args.verify,
                     timeout_s=args.timeout)
@@ -91,6 +97,8 @@ def check(args) -> None:
     config(args)
     if args.control and args.no_refit:
         raise ValueError("--control adds a run without refit; --no-refit runs only that one")
+    if args.asynchronous and args.no_refit:
+        raise ValueError("--async refits after every step; --no-refit runs only the control")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {args.out}: not a folder")
@@ -99,6 +107,7 @@ def check(args) -> None:
 def _one_run(console, cfg, name: str, log: str):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from .async_loop import run as run_async
     from .loop import run
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -110,10 +119,11 @@ def _one_run(console, cfg, name: str, log: str):
             progress.console.print(
                 f"  step {s.step:>3}  v{s.version:<3} reward {s.reward:.3f}  gen {s.generation * 1000:5.0f} ms  "
                 f"train {s.training * 1000:5.0f} ms  refit {s.method:<16} {s.refit * 1000:5.0f} ms{pause}"
+                f"{f', blocked {s.blocked * 1000:.0f} ms' if cfg.asynchronous else ''}"
                 f"{'  (warm-up)' if s.warmup else ''}", highlight=False)
             progress.update(task, advance=1, description=f"{name}: training", last=f"reward {s.reward:.3f}")
 
-        result = run(cfg, on_step=on_step, log=log,
+        result = (run_async if cfg.asynchronous else run)(cfg, on_step=on_step, log=log,
                      on_status=lambda m: progress.update(task, description=f"{name}: {m}"))
         progress.update(task, description=f"{name}: done")
     return result
@@ -138,21 +148,27 @@ def run_command(args) -> int:
     start = time.perf_counter()
     runs = {}
     main = config(args)
-    runs["refit" if main.refit else "no refit"] = _one_run(console, main, "refit" if main.refit else "no refit", log)
+    name = ("sync" if args.asynchronous else "refit") if main.refit else "no refit"
+    runs[name] = _one_run(console, main, name, log)
+    if args.asynchronous:
+        runs["async"] = _one_run(console, config(args, asynchronous=True), "async", log)
     if args.control:
         runs["no refit"] = _one_run(console, config(args, refit=False), "no refit (control)", log)
     for name, r in runs.items():
         console.print(f"reward, {name}: {report.reward_summary(r)}; startup {r.startup_s:.0f} s", highlight=False)
     console.print(report.reward_table(runs))
-    with_refit = runs.get("refit")
+    with_refit = runs.get("refit") or runs.get("sync")
     files = [report.plot_rewards(runs, out / "rl_reward.png")]
-    if with_refit is not None:
+    if args.asynchronous:
+        _print_comparison(console, runs)
+    elif with_refit is not None:
         console.print(report.timing_table(with_refit))
         console.print("generation: the engine's rollouts; training: one FSDP2 GRPO step; refit: the trainers' call "
                       "until the engine serves the new version; other: rewards, advantages, calls; engine pause: "
                       "the engine's own window, from pausing to resuming. Connections: "
                       + ", ".join(f"{m} {s:.2f} s" for m, s in with_refit.connect_s.items()), highlight=False)
         console.print(report.pause_table(with_refit))
+    if with_refit is not None:
         files.append(report.plot_step_times(with_refit, out / "rl_step_time.png"))
     (out / "rl_run.json").write_text(json.dumps({k: r.to_json() for k, r in runs.items()}, indent=1))
     files.append(out / "rl_run.json")
@@ -160,6 +176,26 @@ def run_command(args) -> int:
         console.print(f"wrote {f}", highlight=False)
     console.print(f"total {time.perf_counter() - start:.0f} s", highlight=False)
     return 0
+
+
+def _print_comparison(console, runs: dict) -> None:
+    from . import report
+
+    console.print(report.compare_table({k: runs[k] for k in ("sync", "async")}))
+    steps = [s for s in runs["async"].steps]
+    stale = {n: sum(s.staleness == n for s in steps) for n in sorted({s.staleness for s in steps})}
+    waits = sum(int(s.timeline.get("guard_waits", 0)) for s in steps)
+    console.print(
+        "generation: the engine generating the batch the step trains (async: in the background, beside the training "
+        "before it); training: the trainers' GRPO step (async: its optimizer step waits for a refit in flight); "
+        "refit: from its start to the engine serving the new version; engine pause: the engine's own window, pausing "
+        "to resuming (staged: the apply step); trainer blocked: the trainers inside the refit's calls or waiting for "
+        "it (the slowest rank); step: the driver's step; staleness: updates between the weights that sampled the "
+        "batch and the trainer's. async: every batch one version, the one it asked for; staleness per step "
+        + ", ".join(f"{n}: {c} steps" for n, c in stale.items())
+        + f"; optimizer steps that waited for a refit (reshard's guard): {waits}", highlight=False)
+    for name in ("sync", "async"):
+        console.print(report.pause_table(runs[name], title=f"{name}: "))
 
 
 __all__ = ["add_parser", "check", "config", "run_command"]

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
@@ -61,8 +62,12 @@ class RLConfig:
     seed: int = 0
     verify: bool = False
     timeout_s: float = 300.0  # bounds every call to an actor
+    asynchronous: bool = False  # one-step off-policy (reshard.apps.rl.async_loop); False: this module's loop
 
     def __post_init__(self) -> None:
+        if self.asynchronous and not self.refit:
+            raise ValueError("the asynchronous loop refits after every step; its control is the synchronous run "
+                             "without refit")
         unknown = [m for m in self.methods if m not in REFIT_METHODS]
         if unknown or not self.methods:
             raise ValueError(f"refit methods {list(self.methods)}: choose from {', '.join(REFIT_METHODS)}")
@@ -95,8 +100,12 @@ class StepRecord:
     loss: float = 0.0
     grad_norm: float = 0.0
     logprob_gap: float = 0.0  # mean |engine - trainer| log-prob of the sampled tokens
-    warmup: bool = False
+    warmup: bool = False  # left out of the timing tables (a method's first step; async: also the last)
     verified: bool | None = None
+    blocked: float = 0.0  # the trainers stopped for the refit: its calls, and optimizer steps waiting for it
+    staleness: int = 0  # updates the trainer had taken since the weights that sampled this step's batch
+    overlapped: bool = False  # the refit ran while the trainers trained and the engine generated (async)
+    timeline: dict[str, float] = field(default_factory=dict)  # async: monotonic times of the batch and the window
 
 
 @dataclass
@@ -143,11 +152,6 @@ def batch_version(groups: list[list[dict]], expected: str) -> str:
     return expected
 
 
-def _shards(samples: list[Sample], n: int) -> list[list[Sample]]:
-    size = len(samples) // n
-    return [samples[i * size: (i + 1) * size] for i in range(n)]
-
-
 @contextmanager
 def output_to(path: str | None):
     """This process's stdout and stderr (file descriptors: C libraries' too) go to ``path`` (appended)
@@ -185,11 +189,26 @@ class Trainers:
         return wait_all([h.call(method, *a) for h, a in zip(self.handles, per_rank)], self.timeout_s)
 
 
+@dataclass
+class Rig:
+    """What a run's steps use: its config, task and tokenizer, the actors, a folder for checkpoints."""
+
+    cfg: RLConfig
+    task: WordPieceTask
+    tokenizer: Any
+    engine: Any  # the rollout engine's actor handle
+    trainers: Trainers
+    ckpt: str
+
+
 def run(cfg: RLConfig, *, on_step: Callable[[StepRecord], None] | None = None,
         on_status: Callable[[str], None] | None = None, workdir: str | None = None,
-        log: str | None = None) -> RunResult:
+        log: str | None = None, steps: Callable[[Rig, Callable[[StepRecord], None]], list[StepRecord]] | None = None
+        ) -> RunResult:
     """Run the loop (see module doc) and return every step's record; every actor is gone when it returns.
-    ``log``: a file for the actors' output (local actors)."""
+    ``log``: a file for the actors' output (local actors); ``steps``: what runs the steps once the
+    actors are up and connected (default: this module's synchronous loop; the asynchronous one is
+    :func:`reshard.apps.rl.async_loop.run`)."""
     from transformers import AutoTokenizer
 
     from ..toy_models import config as toy_config
@@ -217,43 +236,69 @@ def run(cfg: RLConfig, *, on_step: Callable[[StepRecord], None] | None = None,
             to_connect = list(dict.fromkeys(methods)) if cfg.refit else []
             if to_connect:
                 status(f"connecting the engine for {', '.join(to_connect)}")
-                result.connect_s = trainers.all("connect", to_connect, engine, actors.host, cfg.tp)[0]
-            version = VERSION0
-            for step in range(cfg.steps):
-                method = cfg.methods[step % len(cfg.methods)] if cfg.refit else "none"
-                record = _step(cfg, step, method, version, task, tokenizer, engine, trainers, ckpt)
-                if cfg.refit:
-                    version = str(step + 1)
-                    if cfg.verify:
-                        record.verified = verify_refit(engine, trainers, method, version, ckpt)
-                record.warmup = cfg.refit and step < len(cfg.methods)
-                result.steps.append(record)
-                if on_step:
-                    on_step(record)
+                result.connect_s = trainers.all("connect", to_connect, engine, actors.host, cfg.tp,
+                                                cfg.asynchronous)[0]
+            rig = Rig(cfg, task, tokenizer, engine, trainers, ckpt)
+            result.steps = (steps or _steps)(rig, on_step or (lambda _: None))
             status("shutting down")
         result.reaped = actors.reaped
     result.total_s = time.perf_counter() - started
     return result
 
 
-def _step(cfg: RLConfig, step: int, method: str, version: str, task: WordPieceTask, tokenizer, engine,
-          trainers: Trainers, ckpt: str) -> StepRecord:
-    start = time.perf_counter()
+def _steps(rig: Rig, on_step: Callable[[StepRecord], None]) -> list[StepRecord]:
+    """The synchronous loop: generate, reward, train, refit, one after the other."""
+    cfg, records, version = rig.cfg, [], VERSION0
+    for step in range(cfg.steps):
+        method = cfg.methods[step % len(cfg.methods)] if cfg.refit else "none"
+        record = _step(cfg, step, method, version, rig.task, rig.tokenizer, rig.engine, rig.trainers, rig.ckpt)
+        if cfg.refit:
+            version = str(step + 1)
+            if cfg.verify:
+                record.verified = verify_refit(rig.engine, rig.trainers, method, version, rig.ckpt)
+        record.warmup = cfg.refit and step < len(cfg.methods)
+        records.append(record)
+        on_step(record)
+    return records
+
+
+def step_prompts(cfg: RLConfig, step: int, task: WordPieceTask, tokenizer) -> tuple[list[list[int]], list[int]]:
+    """The prompts of ``step`` (token ids) and the seed of each one's group."""
     prompts = [tokenizer(p).input_ids for p in task.prompts(step, cfg.prompts, cfg.seed)]
-    t = time.perf_counter()
     # a seed per completion, never reused in the run (overlapping seeds would correlate steps' rollouts)
     seeds = [((cfg.seed * 100_000 + step) * cfg.prompts + i) * cfg.group for i in range(len(prompts))]
-    groups = engine.call("generate", prompts, cfg.group, cfg.max_tokens, cfg.temperature,
-                         seeds).result(cfg.timeout_s)
-    generation = time.perf_counter() - t
-    batch_version(groups, version)
+    return prompts, seeds
+
+
+def scored(task: WordPieceTask, prompts: list[list[int]], groups: list[list[dict]]
+           ) -> tuple[torch.Tensor, list[Sample], int]:
+    """Rewards (prompt x completion), the trainer's samples with their group-relative advantages, and
+    the batch's completion tokens."""
     rewards = torch.tensor([[task.reward(c["ids"]) for c in group] for group in groups])
     advantages = group_advantages(rewards)
     samples = [Sample(p, c["ids"], float(a), c["logprobs"])
                for p, group, adv in zip(prompts, groups, advantages) for c, a in zip(group, adv)]
-    num_tokens = sum(len(s.completion_ids) for s in samples)
+    return rewards, samples, sum(len(s.completion_ids) for s in samples)
+
+
+def shards(samples: list[Sample], n: int) -> list[list[Sample]]:
+    """``samples`` split evenly over ``n`` trainer ranks, in order."""
+    size = len(samples) // n
+    return [samples[i * size: (i + 1) * size] for i in range(n)]
+
+
+def _step(cfg: RLConfig, step: int, method: str, version: str, task: WordPieceTask, tokenizer, engine,
+          trainers: Trainers, ckpt: str) -> StepRecord:
+    start = time.perf_counter()
+    prompts, seeds = step_prompts(cfg, step, task, tokenizer)
     t = time.perf_counter()
-    metrics = trainers.each("train", [(shard, num_tokens) for shard in _shards(samples, cfg.trainers)])
+    groups = engine.call("generate", prompts, cfg.group, cfg.max_tokens, cfg.temperature,
+                         seeds).result(cfg.timeout_s)
+    generation = time.perf_counter() - t
+    batch_version(groups, version)
+    rewards, samples, num_tokens = scored(task, prompts, groups)
+    t = time.perf_counter()
+    metrics = trainers.each("train", [(shard, num_tokens) for shard in shards(samples, cfg.trainers)])
     training = time.perf_counter() - t
     refit = 0.0
     pause, calls = None, {}
@@ -266,7 +311,7 @@ def _step(cfg: RLConfig, step: int, method: str, version: str, task: WordPieceTa
     total = time.perf_counter() - start
     return StepRecord(step=step, method=method, version=version, reward=float(rewards.mean()), generation=generation,
                       training=training, refit=refit, other=total - generation - training - refit, total=total,
-                      pause=pause, engine_calls=calls, loss=sum(m["loss"] for m in metrics),
+                      pause=pause, engine_calls=calls, loss=sum(m["loss"] for m in metrics), blocked=refit,
                       grad_norm=metrics[0]["grad_norm"],
                       logprob_gap=sum(m["logprob_gap"] for m in metrics) / len(metrics))
 
@@ -289,5 +334,5 @@ def verify_refit(engine, trainers: Trainers, method: str, version: str, ckpt: st
     return True
 
 
-__all__ = ["PHASES", "RLConfig", "RunResult", "StepRecord", "Trainers", "VersionError", "batch_version", "run",
-           "verify_refit"]
+__all__ = ["PHASES", "RLConfig", "Rig", "RunResult", "StepRecord", "Trainers", "VersionError", "batch_version", "run",
+           "scored", "shards", "step_prompts", "verify_refit"]

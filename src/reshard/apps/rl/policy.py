@@ -6,10 +6,16 @@ Call sequence, on every rank at once (the driver fans each call out)::
 
     PolicyTrainer(rank, world, path, lr)      load the checkpoint in fp32, fully_shard it, AdamW
     setup(store_addr)                         join the trainer group (FSDP2's collectives)
-    connect(methods, engine, host)            connect to the engine for each refit method
+    connect(methods, engine, host, tp, staged) connect to the engine for each refit method
     train(samples, num_tokens)                one GRPO step on this rank's share of the batch
     refit(method, version, directory)         push the weights; the engine serves ``version`` after it
     close()
+
+The asynchronous loop refits with ``refit_start`` (the reshard backend's methods, connected with
+``staged=True``: ``send_weights(..., wait=False)``, the engine receiving into staging while it
+serves; the other methods block there) and ``refit_wait`` (the refit's end); the next ``train``
+runs meanwhile: its forward and backward read the shards being sent, and its optimizer step waits
+for the refit (reshard's optimizer-step guard). ``train`` reports how long that wait took.
 
 Refit methods (the same trainer weights; the engine holds the same bytes after any of them)::
 
@@ -57,6 +63,9 @@ class PolicyTrainer:
         self.model = None
         self.transfers: dict[str, Any] = {}  # method -> vLLM trainer engine (session methods share one)
         self.client = None
+        self.staged = False  # the session methods receive staged and send with wait=False
+        self.pending = None  # the refit in flight, (method, RefitHandle), between refit_start and refit_wait
+        self._stepping: list[float] = [0.0, 0.0]  # optimizer.step() called, its own pre-hook reached
 
     def setup(self, store_addr: str) -> None:
         """Join the trainer group and build the FSDP2 model and its optimizer."""
@@ -75,6 +84,8 @@ class PolicyTrainer:
         fully_shard(model)
         self.model = model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=self.lr, weight_decay=0.0)
+        # global pre-hooks (reshard's guard) run before an optimizer's own: this one notes when they are done
+        self.optimizer.register_step_pre_hook(lambda *_: self._stepping.__setitem__(1, time.monotonic()))
         self.dist = dist
 
     def free_port(self) -> int:
@@ -89,8 +100,9 @@ class PolicyTrainer:
 
     def train(self, samples: list[Sample], num_tokens: int, max_grad_norm: float = 1.0) -> dict[str, float]:
         """One optimizer step on this rank's samples; ``num_tokens``: completion tokens of the whole batch.
-        Returns this rank's loss share, the gradient norm and the mean |engine - trainer| log-prob of
-        the sampled tokens (the weights the engine sampled with against the trainer's, before the step)."""
+        Returns this rank's loss share, the gradient norm, the mean |engine - trainer| log-prob of
+        the sampled tokens (the weights the engine sampled with against the trainer's, before the step)
+        and ``guard_s``: how long the optimizer step waited for a refit in flight (reshard's guard)."""
         model = self.model
         batch = batch_tensors(samples)
         mask = batch["completion_mask"]
@@ -100,7 +112,9 @@ class PolicyTrainer:
         loss = policy_loss(logp, old, batch["advantage"], mask, num_tokens) * self.world
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        self._stepping[0] = time.monotonic()
         self.optimizer.step()
+        guard_s = self._stepping[1] - self._stepping[0]
         self.optimizer.zero_grad(set_to_none=True)
         gap = 0.0
         if samples and samples[0].sampler_logprobs is not None:
@@ -110,7 +124,8 @@ class PolicyTrainer:
                 engine[i, start: start + len(s.completion_ids)] = torch.tensor(s.sampler_logprobs)
             gap = float(((engine - old).abs() * mask).sum() / mask.sum())
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        return {"loss": loss.item() / self.world, "grad_norm": float(grad_norm), "logprob_gap": gap}
+        return {"loss": loss.item() / self.world, "grad_norm": float(grad_norm), "logprob_gap": gap,
+                "guard_s": guard_s}
 
     # ------------------------------------------------------------------ refit
 
@@ -120,13 +135,13 @@ class PolicyTrainer:
         self.dist.broadcast_object_list(port, src=0)
         return port[0]
 
-    def connect(self, methods: list[str], engine, host: str, tp: int) -> dict[str, float]:
+    def connect(self, methods: list[str], engine, host: str, tp: int, staged: bool = False) -> dict[str, float]:
         """Connect to the engine (``engine``: its actor handle; used on rank 0 only) for every method in
-        ``methods``; seconds per connection."""
+        ``methods``; seconds per connection. ``staged``: the reshard backend's sessions receive staged."""
         from .rollout import EngineClient
 
         self.client = EngineClient(engine, self.timeout_s + 60) if self.rank == 0 else None
-        self.host, self.tp = host, tp
+        self.host, self.tp, self.staged = host, tp, staged
         seconds = {}
         for method in methods:
             start = time.perf_counter()
@@ -153,11 +168,13 @@ class PolicyTrainer:
         from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
         from ...integrations.vllm import ReshardSource, ReshardTrainerInitInfo
-        from ...options import RefitOptions
+        from ...options import IN_PLACE, STAGED, RefitOptions
 
         info = ReshardTrainerInitInfo(rank=self.rank, master_address=self.host, master_port=self._agreed_port(),
                                       num_trainer_ranks=self.world, world_size=self.world + self.tp,
-                                      options=RefitOptions(method=method, timeout=self.timeout_s), comm_backend="gloo")
+                                      options=RefitOptions(method=method, timeout=self.timeout_s,
+                                                           receive=STAGED if self.staged else IN_PLACE),
+                                      comm_backend="gloo")
         self.transfers[method] = WeightTransferTrainerFactory.trainer_init(info, client=self.client,
                                                                            source=ReshardSource(self.model))
 
@@ -173,19 +190,59 @@ class PolicyTrainer:
             raise ValueError(f"refit method {method!r} is not connected")
         return {"seconds": time.perf_counter() - start}
 
-    def _checkpoint(self, version: str, directory: str | None) -> None:
-        """Every rank gathers the full tensors; rank 0 saves them (bf16, the engine's dtype) and has the
-        engine reload them."""
+    def overlaps(self, method: str) -> bool:
+        """Whether a refit by ``method`` runs in the background here (the reshard backend, staged)."""
+        return self.staged and method in SESSION_METHODS
+
+    def refit_start(self, method: str, version: str, directory: str | None = None,
+                    snapshot: str | None = None) -> dict[str, Any]:
+        """Start a refit by ``method``: in the background where it :meth:`overlaps` (``refit_wait`` ends
+        it), else the whole blocking refit. ``snapshot``: a folder to save the weights being sent in,
+        first (for a check after: what the engine must hold). Returns ``seconds`` in this call,
+        ``started`` (monotonic) and ``overlapped``."""
+        if self.pending is not None:
+            raise RuntimeError("a refit is still in flight: refit_wait first")
+        if snapshot is not None:
+            self._save(snapshot)
+        started = time.monotonic()
+        overlapped = self.overlaps(method)
+        if overlapped:
+            if method not in self.transfers:
+                raise ValueError(f"refit method {method!r} is not connected")
+            self.pending = (method, self.transfers[method].send_weights(weight_version=version, wait=False))
+        else:
+            self.refit(method, version, directory)
+        return {"seconds": time.monotonic() - started, "started": started, "overlapped": overlapped}
+
+    def refit_wait(self) -> dict[str, Any]:
+        """End the refit :meth:`refit_start` left running (its error raised here, as on every rank):
+        ``seconds`` waited here, ``guard_waits`` (optimizer steps that waited for it) and, on rank 0,
+        ``pause_s``, each engine's pause as the trainer saw it."""
+        if self.pending is None:
+            return {"seconds": 0.0, "guard_waits": 0, "pause_s": None}
+        (method, handle), self.pending = self.pending, None
+        start = time.monotonic()
+        handle.wait()
+        return {"seconds": time.monotonic() - start, "guard_waits": handle.guard_waits,
+                "pause_s": self.transfers[method].last_pause_s if self.rank == 0 else None}
+
+    def _save(self, directory: str) -> None:
+        """Every rank gathers the full tensors; rank 0 saves them (bf16, the engine's dtype) in ``directory``."""
         from safetensors.torch import save_file
 
         from ...integrations.vllm import full_checkpoint_tensors
 
-        if directory is None:
-            raise ValueError("a refit by checkpoint needs a directory")
         tensors = {n: t.to(torch.bfloat16).contiguous() for n, t in full_checkpoint_tensors(self.model)}
         if self.rank == 0:
             os.makedirs(directory, exist_ok=True)
             save_file(tensors, os.path.join(directory, "model.safetensors"))
+
+    def _checkpoint(self, version: str, directory: str | None) -> None:
+        """Every rank gathers the full tensors; rank 0 saves them and has the engine reload them."""
+        if directory is None:
+            raise ValueError("a refit by checkpoint needs a directory")
+        self._save(directory)
+        if self.rank == 0:
             self.client.reload(directory, version)
 
     def close(self) -> None:

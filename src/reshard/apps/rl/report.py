@@ -4,6 +4,8 @@
   out) of each phase (generation, training, refit, other), the engine's pause window and the step;
   the refit's ratio to ``reshard``'s.
 * :func:`pause_table`: the engine's pause window per method, split by the weight-sync calls in it.
+* :func:`compare_table`: synchronous against asynchronous runs, per method: generation, training,
+  refit, engine pause, trainer blocked, step, and how each refit ran.
 * :func:`reward_table`: the mean reward per block of steps, with refit and in the control.
 * :func:`plot_step_times`: stacked bars of the mean phases per method (PNG).
 * :func:`plot_rewards`: reward per step, with refit and in the control, beside a random policy's (PNG).
@@ -59,14 +61,45 @@ def timing_table(result: RunResult) -> Table:
     return table
 
 
-CALLS = ("pause", "start", "update", "finish", "resume", "reload")
+CALLS = ("receive", "pause", "start", "update", "apply", "finish", "resume", "reload")
+COMPARED = ("generation", "training", "refit", "pause", "blocked", "total")
 
 
-def pause_table(result: RunResult) -> Table:
-    """Per method: the engine's pause window split by the weight-sync calls inside it (ms, means)."""
+def _how(result: RunResult, steps: list[StepRecord]) -> str:
+    if not result.config.asynchronous:
+        return "blocking"
+    return "background, staged" if all(s.overlapped for s in steps) else "blocking (cannot overlap)"
+
+
+def compare_table(runs: dict[str, RunResult]) -> Table:
+    """Per method, one row per run (synchronous and asynchronous): ms, mean ± sd over timed steps."""
+    first = next(iter(runs.values())).config
+    table = Table(title=f"RL step time, synchronous vs asynchronous (one-step off-policy), ms: mean ± sd over "
+                        f"steps (each method's first step and the async run's last left out; hidden {first.hidden}, "
+                        f"{first.layers} layers; {first.trainers} FSDP2 ranks -> vLLM TP={first.tp}, "
+                        f"{first.orchestrator} actors)")
+    for col in ("method", "loop", "refit runs", "steps", "generation", "training", "refit", "engine pause",
+                "trainer blocked", "step", "staleness"):
+        table.add_column(col, justify="left" if col in ("method", "loop", "refit runs") else "right")
+    by_run = {name: timed_steps(r) for name, r in runs.items()}
+    methods = list(dict.fromkeys(m for by in by_run.values() for m in by))
+    for method in methods:
+        for name, result in runs.items():
+            steps = by_run[name].get(method)
+            if not steps:
+                continue
+            table.add_row(method, name, _how(result, steps), str(len(steps)),
+                          *[_cell([getattr(s, c) for s in steps]) for c in COMPARED],
+                          str(max(s.staleness for s in steps)))
+    return table
+
+
+def pause_table(result: RunResult, title: str = "") -> Table:
+    """Per method: the engine's pause window split by the weight-sync calls inside it (ms, means; a staged
+    receive's calls, outside the window, as ``receive``)."""
     by = timed_steps(result)
-    table = Table(title="the engine's pause window by call, ms (means; vLLM's pause and resume, the update's "
-                        "calls, a checkpoint's reload)")
+    table = Table(title=f"{title}the engine's pause window by call, ms (means; vLLM's pause and resume, the "
+                        f"update's calls, a checkpoint's reload)")
     table.add_column("method")
     calls = [c for c in CALLS if any(c in s.engine_calls for steps in by.values() for s in steps)]
     for col in (*calls, "window"):
@@ -160,5 +193,5 @@ def plot_rewards(runs: dict[str, RunResult], png: str | Path) -> Path:
     return save_figure(fig, png, dpi=120)
 
 
-__all__ = ["CALLS", "mean_sd", "pause_table", "plot_rewards", "plot_step_times", "reward_blocks", "reward_summary", "reward_table",
+__all__ = ["CALLS", "compare_table", "mean_sd", "pause_table", "plot_rewards", "plot_step_times", "reward_blocks", "reward_summary", "reward_table",
            "timed_steps", "timing_table"]
