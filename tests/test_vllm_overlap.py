@@ -223,11 +223,22 @@ class _Client:
         self.calls.append(("gate",))
 
 
+class _Notes:
+    """The session store's notes as the trainer reads them: each worker's apply outcome (None: done)."""
+
+    def __init__(self, applied: dict) -> None:
+        self.applied = applied
+
+    def notes(self, key, ranks, timeout):
+        return {rank: self.applied[rank] for rank in ranks if rank in self.applied}
+
+
 class _Session:
     source = None
 
-    def __init__(self, calls: list, error: Exception | None = None) -> None:
+    def __init__(self, calls: list, error: Exception | None = None, applied: dict | None = None) -> None:
         self.calls, self.error = calls, error
+        self.group = type("Group", (), {"control": _Notes({1: None} if applied is None else applied)})()
 
     def refit(self, version):
         self.calls.append(("refit", version))
@@ -239,13 +250,13 @@ class _Session:
         pass
 
 
-def _trainer(calls, error=None):
+def _trainer(calls, error=None, applied=None):
     pytest.importorskip("vllm")
     from reshard.integrations.vllm.trainer import ReshardTrainerWeightTransferEngine
 
     engine = ReshardTrainerWeightTransferEngine.__new__(ReshardTrainerWeightTransferEngine)
     engine.client, engine.is_sender, engine.steps, engine.last_stats = _Client(calls), True, 0, None
-    engine.init_info, engine.session = _info(), _Session(calls, error)
+    engine.init_info, engine.session = _info(), _Session(calls, error, applied)
     return engine
 
 
@@ -257,6 +268,19 @@ def test_staged_refit_pauses_the_engine_only_for_the_apply_step():
                      ("finish", "7"), ("reset",), ("resume", False)]
     (pause,) = engine.last_pause_s
     assert pause is not None and pause >= 0
+
+
+@pytest.mark.parametrize("applied", [{1: "RuntimeError: no memory"}, {}], ids=["apply failed", "no word"])
+def test_a_failed_put_in_place_gates_the_engine_and_records_no_version(applied):
+    """The refit committed, but a worker's apply step failed (or never said how it ended): the engine
+    may mix versions, so rank 0 closes vLLM's update window without a version and gates it."""
+    calls = []
+    engine = _trainer(calls, applied=applied)
+    with pytest.raises(RuntimeError, match="engine 0 .*putting it in place failed on rank 1"):
+        engine.send_weights(weight_version="9")
+    assert calls == [("start",), ("update", "receive"), ("refit", "9"), ("pause", "keep"), ("update", "apply"),
+                     ("finish", None), ("gate",)]
+    assert "version '9'" in engine.client.gated
 
 
 def test_failed_staged_refit_drops_the_staging_and_does_not_gate():

@@ -116,6 +116,22 @@ class Control:
         if error is not None:
             raise error
 
+    # ------------------------------------------------------------------ notes
+    def note(self, key: str, obj=None) -> None:
+        """Post ``obj`` (picklable) under ``key`` for another rank to read with :meth:`notes`; no one waits."""
+        self.store.set(f"n/{key}/{self.rank}", pickle.dumps(obj))
+
+    def notes(self, key: str, ranks: Sequence[int], timeout: float) -> dict[int, object]:
+        """The notes ``ranks`` posted under ``key``, waiting at most ``timeout`` seconds for them all; a
+        rank missing from the result posted none in time."""
+        keys = {r: f"n/{key}/{r}" for r in ranks}
+        deadline, pause = time.monotonic() + timeout, _POLL_START_S
+        while not self.store.check(list(keys.values())) and time.monotonic() < deadline:
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL_MAX_S)
+        posted = [r for r, k in keys.items() if self.store.check([k])]
+        return {r: pickle.loads(self.store.get(keys[r])) for r in posted}
+
     # ------------------------------------------------------------------ waits
     def gather(self, what: str, obj=None, timeout: timedelta | None = None) -> list:
         """Every rank's ``obj`` (picklable), in rank order; raises naming the ranks that never arrived."""

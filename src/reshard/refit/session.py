@@ -42,6 +42,7 @@ engines only lend bytes.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Mapping
 
@@ -250,7 +251,8 @@ class RefitSession(MembershipChanges):
     def _refit(self, version: object, src: dict, *, apply: bool) -> RefitStats:
         if self.state == STAGED_STATE:
             raise RuntimeError(f"rank {self.rank}: version {self.staged_version!r} is staged: apply() it first")
-        stats = self._transfer(self.executor, src, self.writer, version, f"refit to version {version!r}")
+        with self.writer.receiving() if isinstance(self.writer, StagedSide) else nullcontext():
+            stats = self._transfer(self.executor, src, self.writer, version, f"refit to version {version!r}")
         if apply and self.state == STAGED_STATE:
             t0 = time.perf_counter()
             report = self.apply()

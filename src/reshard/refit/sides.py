@@ -168,6 +168,11 @@ class Side:
         """After every byte has arrived: put staged buffers in place; report what went where."""
         return WriteReport(in_place_bytes=self.layout_bytes(), paths=dict.fromkeys(self.tensors, IN_PLACE))
 
+    def prepare_staged(self) -> None:
+        """Under a staged receive, once every byte arrived and before the commit: do what :meth:`end_write`
+        would do to the staged buffers that need not touch live state (none here; a vLLM worker
+        post-processes copies of its layers), so that putting them in place later is quick."""
+
     def abort_write(self) -> None:
         """Drop what :meth:`begin_write` staged without putting it in place (live storage untouched)."""
 

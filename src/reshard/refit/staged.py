@@ -9,9 +9,22 @@ once every rank has committed. Per rank, a refit to version 2 over live version 
 
     step                 live buffers        staging           may serve
     receive (refit)      version 1           filling with 2    version 1
+    prepared             version 1           all of 2, in the  version 1
+                                             engine's form
     committed            version 1           all of 2          version 1
     apply()              version 2           freed             version 2 (after the copy)
     receive fails        version 1           dropped           version 1 (nothing torn)
+
+Once every byte arrived, before the commit decision, the wrapped side may *prepare* what it
+staged (:meth:`~reshard.refit.sides.Side.prepare_staged`: a vLLM worker runs the engine's post-load
+processing on copies of its layers there, the repacking the CPU kernels need), still beside the
+live state, so that :meth:`apply` only swaps it in. A failure while preparing fails the refit on
+every rank before the commit, like any other, and leaves the live version serving.
+
+On CUDA the receive runs on a side stream of its own (:meth:`StagedSide.receiving`), so that the
+engine's kernels on its current stream are not ordered behind the refit's copies; the end of the
+receive is recorded as an event, and :meth:`apply` makes its stream wait for that event before it
+copies. That path is written for NCCL engines and has not run here (this machine has no GPU).
 
 The staging costs :attr:`StagedSide.staging_bytes` per rank, bounded by ``limit_bytes`` (the
 option ``max_receive_staging_bytes``), checked when the side is made. :meth:`apply` is local: a
@@ -33,9 +46,11 @@ copy of each staged box into its live buffer, then the wrapped side's own post-p
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import torch
 
+from ..execution import faults
 from ..tensors import LayoutError, buffer_view
 from .sides import Side, WriteReport
 
@@ -58,6 +73,23 @@ class StagedSide:
         self._buffers: dict[str, torch.Tensor] | None = None  # what the last receive wrote (None: nothing staged)
         self._shadows: dict[str, torch.Tensor] = {}
         self._received = False
+        self._arrived = None  # CUDA: an event recorded on the receive's stream once every byte arrived
+
+    @property
+    def device(self) -> torch.device:
+        tensor = next(iter(self.side.tensors.values()), None)
+        return getattr(self.side, "device", None) or (tensor.device if tensor is not None else torch.device("cpu"))
+
+    @contextmanager
+    def receiving(self):
+        """Where a staged receive runs: on CUDA a side stream of this thread's own (see module doc), else as is."""
+        device = self.device
+        if device.type != "cuda":
+            yield
+            return
+        torch.cuda.set_device(device)  # the current device is per thread: a receive thread has to set it
+        with torch.cuda.stream(torch.cuda.Stream(device)):
+            yield
 
     @property
     def staged(self) -> bool:
@@ -76,7 +108,12 @@ class StagedSide:
         return dict(self._buffers)
 
     def end_write(self) -> WriteReport:
-        """Every byte has arrived (before the commit decision): nothing is put in place yet."""
+        """Every byte has arrived (before the commit decision): the wrapped side prepares what it staged
+        (beside the live state); nothing is put in place yet."""
+        self.side.prepare_staged()
+        if self.device.type == "cuda":
+            self._arrived = torch.cuda.Event()
+            self._arrived.record()
         self._received = True
         return WriteReport(staging_bytes=self.staging_bytes)
 
@@ -84,18 +121,22 @@ class StagedSide:
         """Drop what is staged; the live buffers are untouched."""
         if self._buffers is not None:
             self.side.abort_write()
-        self._buffers, self._shadows, self._received = None, {}, False
+        self._buffers, self._shadows, self._received, self._arrived = None, {}, False, None
 
     def apply(self) -> WriteReport:
         """Put the staged version in place (local): each staged box into its live buffer, then the side's
         own post-processing. Returns what went where, per buffer (:attr:`WriteReport.paths`)."""
         if not self.staged:
             raise RuntimeError(f"rank {self.rank}: no received version is staged to put in place")
+        faults.hit("apply")
         shadows = self._shadows
+        stream = _wait_for(self._arrived)
         with torch.inference_mode():  # live parameters are autograd leaves or inference tensors
             for name, shadow in shadows.items():
                 _copy_pieces(self.side, name, shadow)
-        self._buffers, self._shadows, self._received = None, {}, False
+                if stream is not None:  # allocated on the receive's stream: free it only after these copies
+                    shadow.record_stream(stream)
+        self._buffers, self._shadows, self._received, self._arrived = None, {}, False, None
         report = self.side.end_write()
         paths = {name: STAGED for name in shadows}
         paths.update({name: STAGED_REPROCESSED for name in self.side.layout.buffers(self.rank) if name not in shadows})
@@ -107,6 +148,15 @@ class StagedSide:
 
     def read(self):
         return self.side.read()
+
+
+def _wait_for(event):
+    """Order this thread's current CUDA stream after ``event`` (None: not on CUDA); the stream."""
+    if event is None:
+        return None
+    stream = torch.cuda.current_stream()
+    stream.wait_event(event)
+    return stream
 
 
 def _copy_pieces(side: Side, name: str, shadow: torch.Tensor) -> None:

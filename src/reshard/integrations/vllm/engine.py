@@ -14,10 +14,13 @@ a thread of this worker (a :class:`~reshard.refit.background.RefitHandle`) and r
 the worker's main thread goes back to vLLM's RPC loop and serves on the current weights while the
 bytes land in staging; ``update_weights({"step": "apply"})``, once the trainer's own session
 committed and the engine is paused, waits for that thread (at most the session's timeout) and
-puts the staged version in place (:meth:`RefitSession.apply`: copies into live parameters,
-vLLM's layerwise reload for reprocessed layers). A receive that failed leaves the worker
-``ready`` at its version (nothing live was touched; the apply step only records it); a failure
-while putting in place poisons it. ``transfer_state`` says ``receiving`` (the version in flight)
+puts the staged version in place (:meth:`RefitSession.apply`: copies into live parameters, and
+the reprocessed layers' state swapped in: vLLM's post-load processing of them already ran on
+shadow copies on the receive thread, before the commit; FusedMoE layers are reprocessed here).
+A receive that failed leaves the worker ``ready`` at its version (nothing live was touched; the
+apply step only records it); a failure while putting in place poisons it, and each worker posts
+how its apply step ended to the session's store, where trainer rank 0 reads it before it records
+the version. ``transfer_state`` says ``receiving`` (the version in flight)
 and ``staging_bytes`` (the last staged receive's, in ``last_stats.receive_staging_bytes`` too).
 
 The trainer picks the method in the init info's options (a :class:`~reshard.options.RefitOptions`,
@@ -281,12 +284,23 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardWeightTransferInit
         except Exception as error:  # noqa: BLE001 - local: this worker's live weights may be half put in place
             self.last_error = error
             self._failed(f"putting version {version!r} in place", version, error, poisoned=True)
+            self._note_applied(version, f"{type(error).__name__}: {error}")
             return
+        self._note_applied(version, None)
         self.last_stats = replace(stats, seconds=stats.seconds + time.perf_counter() - t0,
                                   in_place_bytes=report.in_place_bytes,
                                   reprocessed_bytes=report.reprocessed_bytes, paths=report.paths)
         self.apply_s = time.perf_counter() - t0
         self._committed(version, before)
+
+    def _note_applied(self, version: str | None, error: str | None) -> None:
+        """Tell trainer rank 0 (through the session's store) how this worker's apply step ended: its update
+        call returns nothing, and raising there would leave vLLM's update window open on the other
+        workers (module doc)."""
+        try:
+            self.session.group.control.note(f"applied/{version}", error)
+        except Exception as exc:  # noqa: BLE001 - the trainer then hears nothing and reports this worker
+            logger.warning("reshard: rank %s: could not report its apply step to the trainer: %s", self.rank, exc)
 
     def _committed(self, version: str | None, before: DestinationState) -> None:
         if before == DestinationState.POISONED:

@@ -26,6 +26,24 @@ The reprocessed way still moves only this rank's boxes (no full tensor, no ``loa
 parameter's loader is a plain copy of its staged tensor for the duration of the refit. The session
 reports the bytes of each way.
 
+**Staged receives** (``receive="staged"``): the engine serves while the bytes arrive, so the
+reprocessing must not touch a live layer before the engine is paused. Once every byte arrived
+(before the commit), :meth:`VLLMModelSide.prepare_staged` runs the same layerwise reload on a
+*shadow* of each reprocessed layer: a copy sharing its attributes but owning its tensors and
+module state, where vLLM's post-load step builds the new packed weights. Putting the version in
+place (:meth:`VLLMModelSide.end_write`, with the engine paused) then only copies the shadow's
+tensors into the live storage and sets the attributes the processing changed (on CPUs the packed
+linear weights live in a closure, ``cpu_linear``)::
+
+    layer kind                       prepared on the receive thread       while paused
+    linear, embedding (CPU)          repacked on a shadow                 closure swapped, tensors copied
+    quantized linear                 processed on a shadow                tensors copied, attributes set
+    FusedMoE, layers with children,  nothing                              layerwise reload, as in place
+    attention layers vLLM defers
+
+FusedMoE layers keep their kernel object on the quantization method, which the shadow would
+share with the live layer, so they are reprocessed while paused (the pause grows with them).
+
 vLLM 0.32 on CPUs does not redo the FusedMoE packing and padding on a weight update (the CPU
 experts' ``process_weights_after_loading`` runs only when the MoE kernel is first built; a reload
 serves checkpoint-layout weights at TP=1 and fails on the padded shapes at TP=2). We mark the
@@ -34,6 +52,8 @@ padding included.
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 
@@ -111,6 +131,7 @@ class VLLMModelSide(Side):
         super().__init__(rank, layout, live)
         self.device = next(iter(live.values()), next(iter(model.parameters()))).device
         self._staging: dict[str, torch.Tensor] = {}
+        self._prepared: dict[str, torch.nn.Module] = {}  # layer -> its processed shadow (staged receives)
 
     @classmethod
     def from_worker(cls, model: torch.nn.Module, vllm_config, rank: int, first_rank: int) -> "VLLMModelSide":
@@ -135,43 +156,126 @@ class VLLMModelSide(Side):
 
     # ------------------------------------------------------------------ one refit
     def begin_write(self) -> dict[str, torch.Tensor]:
+        self._prepared = {}
         self._staging = {name: torch.empty(shape, dtype=dtype, device=self.device)
                          for name, (shape, dtype) in self.staged_specs.items()}
         return {**self.tensors, **self._staging}
 
     def abort_write(self) -> None:
-        self._staging = {}
+        self._staging, self._prepared = {}, {}
 
     def end_write(self) -> WriteReport:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
-
         staged = sum(tensor.numel() * tensor.element_size() for tensor in self._staging.values())
+        staged += sum(_tensor_bytes(shadow) for shadow in self._prepared.values())
         modules = dict(self.model.named_modules())
+        for mod_name, shadow in self._prepared.items():
+            _install(modules[mod_name], shadow)
         for mod_name, pnames in self.layers.items():
-            layer = modules[mod_name]
-            loaded = get_layerwise_info(layer).restore_metadata[0]
-            # vLLM's parameter classes keep their loader behind a property (in ``_weight_loader``):
-            # put each recorded parameter's attributes back exactly as they were
-            saved = {pname: dict(loaded[pname].__dict__) for pname in pnames}
-            for pname in pnames:
-                loaded[pname].weight_loader = _copy_staged
-            redo_cpu_moe_packing(layer)
-            try:
-                initialize_layerwise_reload(layer)
-                for pname in pnames:
-                    param = getattr(layer, pname)
-                    param.weight_loader(param, self._staging.pop(f"{mod_name}.{pname}"))
-                finalize_layerwise_reload(layer, self.model_config)
-            finally:
-                for pname, attributes in saved.items():
-                    loaded[pname].__dict__.clear()
-                    loaded[pname].__dict__.update(attributes)
-        self._staging = {}
+            if mod_name not in self._prepared:
+                self._reprocess(modules[mod_name], mod_name, pnames)
+        self._staging, self._prepared = {}, {}
         in_place = self.layout_bytes(self.tensors)
         paths = {**dict.fromkeys(self.tensors, IN_PLACE), **dict.fromkeys(self.staged_specs, REPROCESSED)}
         return WriteReport(in_place_bytes=in_place, reprocessed_bytes=self.layout_bytes(self.staged_specs),
                            staging_bytes=staged, paths=paths)
+
+    def prepare_staged(self) -> None:
+        """A staged receive, before the commit: run vLLM's post-load processing of each reprocessed layer
+        on a shadow of it (its own parameter objects, the live layer untouched), so that
+        :meth:`end_write` only swaps the processed state in (see module doc, "Staged receives")."""
+        modules = dict(self.model.named_modules())
+        with torch.no_grad():
+            for mod_name, pnames in self.layers.items():
+                layer = modules[mod_name]
+                if _preparable(layer):
+                    shadow = _shadow(layer)
+                    self._reprocess(shadow, mod_name, pnames, info_of=layer)
+                    self._prepared[mod_name] = shadow
+
+    def _reprocess(self, layer: torch.nn.Module, mod_name: str, pnames: list[str], *,
+                   info_of: torch.nn.Module | None = None) -> None:
+        """vLLM's layerwise reload of ``layer`` from this rank's staged tensors (``info_of``: the live layer
+        whose recorded form a shadow takes)."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+        recorded = get_layerwise_info(info_of or layer)
+        if info_of is not None:
+            info = get_layerwise_info(layer)
+            info.restore_metadata, info.restore_device = recorded.restore_metadata, recorded.restore_device
+        loaded = recorded.restore_metadata[0]
+        # vLLM's parameter classes keep their loader behind a property (in ``_weight_loader``):
+        # put each recorded parameter's attributes back exactly as they were
+        saved = {pname: dict(loaded[pname].__dict__) for pname in pnames}
+        for pname in pnames:
+            loaded[pname].weight_loader = _copy_staged
+        redo_cpu_moe_packing(layer)
+        try:
+            initialize_layerwise_reload(layer)
+            for pname in pnames:
+                param = getattr(layer, pname)
+                param.weight_loader(param, self._staging.pop(f"{mod_name}.{pname}"))
+            finalize_layerwise_reload(layer, self.model_config)
+        finally:
+            for pname, attributes in saved.items():
+                loaded[pname].__dict__.clear()
+                loaded[pname].__dict__.update(attributes)
+
+
+_MODULE_STATE = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
+
+
+def _preparable(layer: torch.nn.Module) -> bool:
+    """Whether a reprocessed layer can be processed on a shadow: not a FusedMoE (its kernel object is
+    shared state), no child modules, not an attention layer vLLM defers."""
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+
+    return (not layer._modules and not hasattr(getattr(layer, "quant_method", None), "moe_kernel")
+            and not is_deferred_attention_layer(layer))
+
+
+def _shadow(layer: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``layer`` sharing its attributes but owning its tensors (empty, as large as the live
+    ones: the processed values land there) and its module state, so that reprocessing it changes
+    nothing the engine serves with."""
+    shadow = copy.copy(layer)
+    shadow._parameters = {name: None if p is None else torch.nn.Parameter(torch.empty_like(p), requires_grad=False)
+                          for name, p in layer._parameters.items()}
+    shadow._buffers = {name: None if b is None else torch.empty_like(b) for name, b in layer._buffers.items()}
+    shadow._modules = {}
+    shadow._non_persistent_buffers_set = set(layer._non_persistent_buffers_set)
+    return shadow
+
+
+def _install(layer: torch.nn.Module, shadow: torch.nn.Module) -> None:
+    """Put a processed shadow's state into the live ``layer``: its tensors copied into the live storage
+    (vLLM keeps storages fixed, CUDA graphs read them), every other attribute it changed (the CPU
+    kernels' packed weights live in closures there) set on the layer."""
+    stream = torch.cuda.current_stream() if any(
+        t is not None and t.is_cuda for t in shadow._parameters.values()) else None
+    with torch.inference_mode():
+        for store in ("_parameters", "_buffers"):
+            live, done = getattr(layer, store), getattr(shadow, store)
+            for name, tensor in done.items():
+                if tensor is None or live.get(name) is None:
+                    live[name] = tensor
+                    continue
+                live[name].data.copy_(tensor)
+                if stream is not None:  # made on the receive's stream: free it only after this copy
+                    tensor.record_stream(stream)
+    for key in set(layer.__dict__) - set(shadow.__dict__) - set(_MODULE_STATE):
+        del layer.__dict__[key]
+    for key, value in shadow.__dict__.items():
+        if key not in _MODULE_STATE and layer.__dict__.get(key, _MISSING) is not value:
+            layer.__dict__[key] = value
+
+
+_MISSING = object()
+
+
+def _tensor_bytes(module: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*module._parameters.values(), *module._buffers.values()]
+               if t is not None)
 
 
 __all__ = ["VLLMModelSide", "redo_cpu_moe_packing"]

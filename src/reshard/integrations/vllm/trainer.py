@@ -298,6 +298,17 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
             raise error
         _pause(client, mode, pause_started, index)
         client.update_weights({"version": version, "method": method, "step": "apply"})
+        ranks = self.init_info.engine_ranks(index)
+        notes = self.session.group.control.notes(f"applied/{version}", ranks, timeout=self.grace_s)
+        problems = [f"rank {rank}: {notes[rank]}" if rank in notes else f"rank {rank} did not report its apply step "
+                    f"within {self.grace_s:g} s" for rank in ranks if notes.get(rank, "missing") is not None]
+        if problems:  # some workers hold the new version, others not: the engine must not serve
+            reason = (f"the refit to weight version {version!r} committed, but putting it in place failed on "
+                      f"{'; '.join(problems)}")
+            client.finish_weight_update()  # vLLM's update window closes; its version stays the previous one
+            if hasattr(client, "gate"):
+                client.gate(reason)
+            raise RuntimeError(reason + "; the engine is gated until a refit completes")
 
     def _after_staged_failure(self, error: Exception, version: str, engines: list, receives: list[Future],
                               paused: list[bool]) -> None:
