@@ -33,7 +33,6 @@ import json
 import random
 import sys
 import time
-from dataclasses import replace
 
 from rich.console import Console
 from rich.progress import Progress
@@ -68,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                 s = random_scenario(i, rng, args.timeout, precision=args.precision == "fp8")
                 overlap = families.choice(OVERLAPS) if args.overlap == "mixed" else \
                     "" if args.overlap == "none" else args.overlap
-                s = replace(s, overlap=overlap)
+                s = s.in_family(overlap)
                 o = driver.run(s)
                 outcomes.append(o)
                 if (o.hung or o.silent or o.torn or missed(o) or o.notes

@@ -28,7 +28,7 @@ T = 5.0
 
 def scenario(i, fault, rank, overlap, checksum=False):
     """2 sources -> 2 destinations, seed 7 (several rounds at a 512-byte staging cap, as in test_failures)."""
-    return Scenario(i, 7, 2, 2, fault, rank, checksum=checksum, timeout_s=T, bucket_bytes=512, overlap=overlap)
+    return Scenario(i, 7, 2, 2, fault, rank, checksum=checksum, timeout_s=T, bucket_bytes=512).in_family(overlap)
 
 
 # (scenario, what it must come to)

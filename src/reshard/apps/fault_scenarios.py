@@ -32,7 +32,8 @@ session left ``ready`` (no byte reached it). :func:`family_figures` gives the co
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+from typing import ClassVar
 
 import numpy as np
 from rich.console import Console
@@ -60,11 +61,16 @@ class Scenario:
     bucket_bytes: int
     first_fault_rank: int | None = None  # a "recovery" scenario: this rank raises first, to start a recovery
     precision: bool = False  # into FP8 engines (gloo suite)
-    overlap: str = ""  # the family (module doc): "" (blocking), "staged", "trainer" or "both"
+    # the family (module doc): "" (blocking) here; an OverlapScenario's field, so that a blocking scenario's
+    # fields (its records, its pickles) are what they were before families came
+    overlap: ClassVar[str] = ""
 
-    def __post_init__(self) -> None:
-        if self.overlap not in OVERLAPS:
-            raise ValueError(f"overlap {self.overlap!r}: use one of {', '.join(map(repr, OVERLAPS))}")
+    def in_family(self, overlap: str) -> "Scenario":
+        """This scenario in family ``overlap`` (``""``, ``"staged"``, ``"trainer"``, ``"both"``)."""
+        if overlap not in OVERLAPS:
+            raise ValueError(f"overlap {overlap!r}: use one of {', '.join(map(repr, OVERLAPS))}")
+        base = {f.name: getattr(self, f.name) for f in fields(Scenario)}
+        return Scenario(**base) if not overlap else OverlapScenario(**base, overlap=overlap)
 
     @property
     def staged(self) -> bool:
@@ -101,7 +107,18 @@ class Scenario:
         role = f" ({side})" if side else ""
         return (f"#{self.index} {self.sources}->{self.destinations} {self.fault or 'no fault'} on rank "
                 f"{self.fault_rank}{role}{first}{' checksum' if self.checksum else ''}"
-                f"{' fp8' if self.precision else ''}{f' [{self.family}]' if self.overlap else ''}")
+                f"{' fp8' if self.precision else ''}{f' ({self.family})' if self.overlap else ''}")
+
+
+@dataclass(frozen=True)
+class OverlapScenario(Scenario):
+    """A scenario whose refit overlaps other work (:meth:`Scenario.in_family`)."""
+
+    overlap: str = "staged"
+
+    def __post_init__(self) -> None:
+        if self.overlap not in OVERLAPS[1:]:
+            raise ValueError(f"overlap {self.overlap!r}: use one of {', '.join(map(repr, OVERLAPS[1:]))}")
 
 
 @dataclass
@@ -236,5 +253,5 @@ def print_families(console: Console, families: dict[str, dict], title: str = "pe
     console.print(table)
 
 
-__all__ = ["FAMILIES", "KINDS", "OVERLAPS", "Outcome", "Scenario", "bad", "family_figures", "missed", "percentile",
+__all__ = ["FAMILIES", "KINDS", "OVERLAPS", "Outcome", "OverlapScenario", "Scenario", "bad", "family_figures", "missed", "percentile",
            "print_families", "print_figures", "summary"]

@@ -27,6 +27,22 @@ must know it is dead within 60 s, both trainer ranks' errors must name the kille
 survivor is killed and counted as leaked); a new engine from the checkpoint is reconnected and
 refitted to the reference.
 
+Each scenario also plays in a family (:attr:`~reshard.apps.fault_scenarios.Scenario.overlap`). With
+``staged`` the sessions connect with ``receive="staged"`` (every rank reconnects when the family
+changes): the workers receive on a thread while the engine serves, and before trainer rank 0 sends
+(its session's ``refit``, wrapped for the attempt) the harness checks that every worker's receive
+of the new version has started and that the engine's greedy tokens and digests are still those of
+the state it holds (otherwise a torn model served). With ``trainer`` both trainer ranks call
+``send_weights(v, wait=False)``, run a forward, a backward and an SGD step of their model while it
+is in flight (the step must wait for the refit: one that returns first is a broken guard, and the
+engine would then hold other weights than the reference, a silent corruption), then ``wait()``,
+which must give the error a blocking refit gives; the harness then puts the trainer back at the
+state the refit carried. ``both``: the two together. After a failed refit, an engine that had not
+started putting bytes in place (a staged one: the apply step comes only after the commit; an
+in-place one whose refit failed before bytes moved) must have *kept serving its previous
+version*: not gated, vLLM's version unmoved, every worker ``ready`` at the version it had with no
+receive left over, its greedy tokens and digests those of its state's reference.
+
 Detection time: fault fired -> the last trainer rank that did not fault raising ``RefitError``.
 Recovery time: detection -> the refit after the reconnect committed (an engine kill's, with the new
 engine's start, counted apart). Imports vLLM only when a suite starts.
@@ -42,7 +58,7 @@ from dataclasses import dataclass
 
 from ..execution import faults
 from ..refit import RefitError
-from .fault_scenarios import KINDS, Outcome, Scenario, percentile, summary
+from .fault_scenarios import KINDS, Outcome, Scenario, missed, percentile, summary
 from .fault_vllm_ranks import BUCKET_BYTES, STATES, worker_arm
 from .fault_vllm_rig import EngineRig, Hang
 
@@ -61,10 +77,11 @@ def is_engine_kill(s: Scenario) -> bool:
 
 def random_scenario(index: int, rng: random.Random, workers: int, rounds: int, send_rounds: dict[int, list[int]],
                     kinds: tuple[str, ...] = KINDS, engine_kill: bool = False, checksum: bool = True,
-                    timeout_s: float = 5.0) -> Scenario:
+                    timeout_s: float = 5.0, overlap: str = "") -> Scenario:
     """A random fault in a refit from the 2 trainer ranks to ``workers`` engine workers of ``rounds`` rounds;
     ``send_rounds``: the rounds in which each trainer rank sends (a ``corrupt`` fault needs a send);
-    ``kinds``: the fault kinds to draw from; ``engine_kill``: this scenario kills an engine worker."""
+    ``kinds``: the fault kinds to draw from; ``engine_kill``: this scenario kills an engine worker;
+    ``overlap``: its family (:attr:`~reshard.apps.fault_scenarios.Scenario.overlap`)."""
     if engine_kill:
         side, kind = "engine", "kill"
     else:
@@ -77,7 +94,7 @@ def random_scenario(index: int, rng: random.Random, workers: int, rounds: int, s
         j = rng.choice(send_rounds[rank]) if kind == "corrupt" else rng.randrange(max(rounds, 1))
         point = f"transfer round {j}"
     return Scenario(index, 0, 2, workers, f"{kind}@{point}", rank, checksum=checksum, timeout_s=timeout_s,
-                    bucket_bytes=BUCKET_BYTES)
+                    bucket_bytes=BUCKET_BYTES).in_family(overlap)
 
 
 @dataclass
@@ -92,6 +109,7 @@ class Attempt:
     answer: tuple | None  # trainer rank 1's (None: it died)
     fired_at: float | None
     engine_dead: bool
+    before: list[dict]  # every worker's transfer_state before the refit
 
 
 class EngineDriver:
@@ -135,23 +153,45 @@ class EngineDriver:
     def _attempt(self, s: Scenario, rng: random.Random, o: Outcome) -> Attempt:
         """The trainer to another state, a refit to a new version with the fault armed, the fault disarmed."""
         rig, side = self.rig, side_of(s)
+        receive = "staged" if s.staged else "in-place"
+        if rig.receive != receive:  # the family's sessions: every rank reconnects with the other receive
+            rig.receive = receive
+            if rig.connect() is None:
+                raise RuntimeError(f"reconnecting with receive={receive!r} failed")
         state = rng.choice([x for x in STATES if x != rig.state])
         rig.move_to(state)
         version = f"v{s.index + 1}"
         fire_file = os.path.join(rig.workdir, f"fired-{s.index}")
         main_fired: list[float] = []
+        before = rig.transfer_states()
         self._arm(s, fire_file, main_fired)
-        rig.child.send("refit", version, s.fault if side == "trainer 1" else None, rig.stall_s)
+        rig.child.send("refit", version, s.fault if side == "trainer 1" else None, rig.stall_s, s.in_flight)
         start = time.time()
         # rank 0 may also wait for the engine's calls: the grace for its update call, twice that to gate it
         limit = 3 * rig.timeout_s + rig.stall_s + 3 * rig.engine.grace_s + 30
+        session = rig.engine.session
+        if s.staged:
+            session.refit = self._serving_check(s, o, session.refit, version)
         try:
-            _, error0, end0 = rig.bounded(limit, (0,), rig.engine.send_weights, weight_version=version)
+            if s.in_flight:
+                guard0, error0, end0 = rig.bounded(limit, (0,), rig.send_in_flight, version)
+                guard0 = guard0 or getattr(error0, "guard", {})
+            else:
+                guard0, error0, end0 = {}, *rig.bounded(limit, (0,), rig.engine.send_weights,
+                                                        weight_version=version)[1:]
         finally:
             faults.arm(None)
+            session.__dict__.pop("refit", None)
         answer = rig.child.wait(limit)
         if answer is None and rig.child.proc.is_alive():
             raise Hang("trainer rank 1 did not answer its refit", (1,))
+        if s.in_flight:  # the steps changed the weights: back to the state the refit carried, on every live rank
+            for guard in (guard0, answer[5] if answer else {}):
+                o.guard_waits += guard.get("guard_waits", 0)
+                o.guard_broken += guard.get("guard_broken", 0)
+            if o.guard_broken:
+                o.notes.append("an optimizer step returned while the refit it changes was still in flight")
+            rig.move_to(state, child=answer is not None)
         fired_at = main_fired[0] if main_fired else answer[2] if answer else None
         if side == "engine" and os.path.exists(fire_file):
             with open(fire_file) as f:
@@ -171,7 +211,33 @@ class EngineDriver:
         o.fired = fired_at is not None or (s.kind == "kill" and answer is None)
         if answer is None and fired_at is None:
             fired_at = start  # killed before it could say: count from the refit's start (an upper bound)
-        return Attempt(version, state, start, error0, end0, answer, fired_at, dead)
+        return Attempt(version, state, start, error0, end0, answer, fired_at, dead, before)
+
+    def _serving_check(self, s: Scenario, o: Outcome, refit, version: str):
+        """Trainer rank 0's session refit, preceded by a check that the engine serves its version while
+        its workers receive: every worker's receive of ``version`` started (on its thread), and the
+        engine's greedy tokens and digests equal the reference's of the state it holds. A mismatch
+        is a torn model served."""
+        rig = self.rig
+
+        def checked(*args, **kwargs):
+            try:
+                receiving = [st["receiving"] for st in rig.transfer_states()]
+                tokens, digests = rig.greedy(), rig.digests()
+            except Exception as e:  # noqa: BLE001 - judged below, and the refit goes on
+                o.notes.append(f"serving while receiving: {type(e).__name__}: {e}")
+            else:
+                if receiving != [version] * rig.tp:
+                    o.notes.append(f"the serving check found the workers receiving {receiving}, not {version!r}")
+                if tokens != rig.tokens[rig.state] or digests != rig.refs[rig.state]:
+                    o.torn += 1
+                    o.notes.append(f"while receiving {version}, the engine served other weights than its version's "
+                                   f"(tokens {tokens} vs {rig.tokens[rig.state]})")
+                else:
+                    o.served += 1
+            return refit(*args, **kwargs)
+
+        return checked
 
     def _judge_commit(self, s: Scenario, a: Attempt, o: Outcome) -> bool:
         """A refit some trainer rank reported committed: checked; True when the scenario ends there."""
@@ -245,6 +311,9 @@ class EngineDriver:
             o.torn += 1
             o.notes.append(f"the engine reports version {now!r} after a failed refit (was {rig.version!r})")
         _, gen_err, _ = rig.generate()
+        if o.scenario.staged or not o.moved:  # had not started putting bytes in place: it should serve its version
+            o.kept_due += 1
+            o.kept += int(self._kept_serving(a, now, gen_err, o))
         if not o.moved:
             if gen_err is not None or rig.digests() != rig.refs[rig.state]:
                 o.torn += 1
@@ -254,6 +323,30 @@ class EngineDriver:
             o.notes.append(f"generate succeeded on weights a refit failed into ({o.phase})")
         elif not isinstance(gen_err, WeightsPoisonedError):
             o.notes.append(f"generate raised {type(gen_err).__name__}: {gen_err}")
+
+    def _kept_serving(self, a: Attempt, version: str | None, gen_err: Exception | None, o: Outcome) -> bool:
+        """Whether the engine, after the failed refit, serves the version it had: vLLM's version unmoved,
+        not gated, every worker ready at its version with no receive left, the greedy tokens and the
+        digests of that version's reference, bit for bit."""
+        rig = self.rig
+        problems = []
+        if version != rig.version:
+            problems.append(f"version {version!r}, was {rig.version!r}")
+        if gen_err is not None:
+            problems.append(f"generate raised {type(gen_err).__name__}")
+        else:
+            if rig.greedy() != rig.tokens[rig.state]:
+                problems.append("its greedy tokens are not its version's")
+            if rig.digests() != rig.refs[rig.state]:
+                problems.append("its digests are not its version's")
+        now = rig.transfer_states()
+        if any(st["state"] != "ready" or st["version"] != was["version"] or st["receiving"] is not None
+               for st, was in zip(now, a.before)):
+            problems.append(f"workers {[(st['state'], st['version'], st['receiving']) for st in now]}, were "
+                            f"{[(st['state'], st['version']) for st in a.before]}")
+        if problems:
+            o.notes.append("did not keep serving its version: " + "; ".join(problems))
+        return not problems
 
     def _recover(self, a: Attempt, o: Outcome, ends: list[float]) -> Outcome:
         """A new engine if it died, a new trainer rank 1 if it died, a reconnect on a fresh port, a clean refit."""
@@ -292,13 +385,17 @@ class EngineDriver:
 
 
 def play(driver: EngineDriver, rng: random.Random, scenarios: int, engine_kills: set[int], kinds: tuple[str, ...],
-         rounds: int, send_rounds: dict[int, list[int]]):
-    """Draw and run ``scenarios`` scenarios (``engine_kills``: the indices that kill an engine worker); yields
-    ``(outcome, seconds)`` each, and stops after a hang or a harness error (the engine's state is unknown)."""
+         rounds: int, send_rounds: dict[int, list[int]], overlaps=("",), families: random.Random | None = None):
+    """Draw and run ``scenarios`` scenarios (``engine_kills``: the indices that kill an engine worker; each in
+    a family drawn from ``overlaps`` by ``families``, a generator apart from ``rng``, so that the faults are
+    those of a blocking run of the same seed); yields ``(outcome, seconds)`` each, and stops after a hang or a harness error
+    (the engine's state is unknown)."""
     rig = driver.rig
+    families = families or random.Random("families")
     for index in range(scenarios):
+        overlap = families.choice(overlaps) if len(overlaps) > 1 else overlaps[0]
         s = random_scenario(index, rng, rig.tp, rounds, send_rounds, kinds, engine_kill=index in engine_kills,
-                            checksum=rig.checksum, timeout_s=rig.timeout_s)
+                            checksum=rig.checksum, timeout_s=rig.timeout_s, overlap=overlap)
         start = time.time()
         o = driver.run_guarded(s, rng)
         yield o, time.time() - start
@@ -308,7 +405,7 @@ def play(driver: EngineDriver, rng: random.Random, scenarios: int, engine_kills:
 
 def needs_a_look(o: Outcome) -> bool:
     """Anything but a clean commit or recovery (the suite prints it in red)."""
-    return bool(o.hung or o.silent or o.torn or o.late or o.notes
+    return bool(o.hung or o.silent or o.torn or o.late or o.notes or missed(o)
                 or not o.result.startswith(("recovered", "committed")))
 
 

@@ -37,13 +37,45 @@ def set_state(model, base: dict, state: int) -> None:
                 p.add_(torch.randn(p.shape, generator=generator) * 0.05)
 
 
-def trainer_info(rank: int, port: int, workers: int, timeout_s: float, checksum: bool):
-    """Trainer rank ``rank``'s init info: 2 trainer ranks, one engine of ``workers`` workers."""
+def trainer_info(rank: int, port: int, workers: int, timeout_s: float, checksum: bool, receive: str = "in-place"):
+    """Trainer rank ``rank``'s init info: 2 trainer ranks, one engine of ``workers`` workers (``receive``:
+    ``"staged"`` makes them receive while the engine serves)."""
     from ..integrations.vllm import ReshardTrainerInitInfo
 
-    options = RefitOptions(timeout=timeout_s, max_bucket_bytes=BUCKET_BYTES, checksum=checksum)
+    options = RefitOptions(timeout=timeout_s, max_bucket_bytes=BUCKET_BYTES, checksum=checksum, receive=receive)
     return ReshardTrainerInitInfo(rank=rank, master_address="127.0.0.1", master_port=port, num_trainer_ranks=2,
                                   world_size=2 + workers, engine_world_sizes=[workers], options=options)
+
+
+class TrainStep:
+    """A trainer's next step on ``model``: a forward and a backward (they read the parameters a refit in
+    flight is sending) and an SGD step (it changes them, so the refit's guard must make it wait)."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        vocab = model.config.vocab_size
+        self.ids = torch.randint(0, vocab, (1, 8), generator=torch.Generator().manual_seed(0))
+
+    def __call__(self) -> None:
+        self.model(input_ids=self.ids, labels=self.ids).loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+
+def send_in_flight(engine, step: TrainStep, version: str) -> dict:
+    """``send_weights(version, wait=False)``, the trainer's step while it is in flight, then ``wait()``:
+    how many optimizer steps waited for it and whether the step returned before it ended
+    (``{"guard_waits", "guard_broken"}``); the refit's error is raised with them as ``guard``."""
+    handle = engine.send_weights(weight_version=version, wait=False)
+    step()
+    guard = {"guard_waits": handle.guard_waits, "guard_broken": int(not handle.done())}
+    try:
+        handle.wait()
+    except Exception as error:
+        error.guard = guard
+        raise
+    return guard
 
 
 # ---------------------------------------------------------------------------- engine workers (collective_rpc)
@@ -79,7 +111,8 @@ def engine_processes(llm) -> list:
 
 # ---------------------------------------------------------------------------- trainer rank 1 (a child process)
 def trainer_child(conn, ckpt: str, workers: int, timeout_s: float, checksum: bool) -> None:
-    """Refit rank 1: obeys ``(op, ...)`` messages, answers ``(status, time, fired_at, detail, ranks at fault)``."""
+    """Refit rank 1: obeys ``(op, ...)`` messages, answers ``(status, time, fired_at, detail, ranks at fault,
+    guard)`` (``guard``: :func:`send_in_flight`'s figures, for a refit sent in flight)."""
     quiet_vllm_environment()
     from transformers import AutoModelForCausalLM
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
@@ -89,11 +122,15 @@ def trainer_child(conn, ckpt: str, workers: int, timeout_s: float, checksum: boo
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
     base = {n: p.detach().clone() for n, p in model.named_parameters()}
+    step = TrainStep(model)
+    step()  # the optimizer's lazy imports (seconds) now, not inside a refit's timeout
+    set_state(model, base, 0)
     engine = None
-    conn.send(("ready", time.time(), None, None, ()))
+    conn.send(("ready", time.time(), None, None, (), {}))
     while True:
         op, *args = conn.recv()
         fired_at: list[float] = []
+        guard: dict = {}
         try:
             if op == "quit":
                 if engine is not None:
@@ -102,21 +139,24 @@ def trainer_child(conn, ckpt: str, workers: int, timeout_s: float, checksum: boo
             if op == "state":
                 set_state(model, base, args[0])
             elif op == "connect":
-                info = trainer_info(1, args[0], workers, timeout_s, checksum)
+                info = trainer_info(1, args[0], workers, timeout_s, checksum, *args[1:])
                 if engine is None:
                     engine = WeightTransferTrainerFactory.trainer_init(info, client=None, source=ReshardSource(model))
                 else:
                     engine.reconnect(info)
             elif op == "refit":
-                version, fault, stall_s = args
+                version, fault, stall_s, *in_flight = args
                 os.environ["RESHARD_FAULT_STALL_S"] = str(stall_s)
                 faults.arm(fault, on_fire=lambda point: fired_at.append(time.time()))
-                engine.send_weights(weight_version=version)
-            conn.send(("ok", time.time(), fired_at[0] if fired_at else None, None, ()))
+                if in_flight and in_flight[0]:
+                    guard = send_in_flight(engine, step, version)
+                else:
+                    engine.send_weights(weight_version=version)
+            conn.send(("ok", time.time(), fired_at[0] if fired_at else None, None, (), guard))
         except Exception as e:  # noqa: BLE001 - reported to the driver
             conn.send(("error", time.time(), fired_at[0] if fired_at else None,
                        f"{type(e).__name__}: {getattr(e, 'phase', '')}: {str(e)[:200]}",
-                       tuple(getattr(e, "ranks", ()))))
+                       tuple(getattr(e, "ranks", ())), getattr(e, "guard", guard)))
         finally:
             faults.arm(None)
 
@@ -161,5 +201,5 @@ class TrainerChild:
             self.proc.join(10)
 
 
-__all__ = ["BUCKET_BYTES", "STATES", "TrainerChild", "engine_processes", "quiet_vllm_environment", "set_state",
+__all__ = ["BUCKET_BYTES", "STATES", "TrainStep", "TrainerChild", "send_in_flight", "engine_processes", "quiet_vllm_environment", "set_state",
            "trainer_child", "trainer_info", "worker_arm", "worker_checksum"]

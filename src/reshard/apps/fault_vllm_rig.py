@@ -15,7 +15,12 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import torch
 
 from .fault_scenarios import Outcome
-from .fault_vllm_ranks import STATES, TrainerChild, engine_processes, set_state, trainer_info, worker_checksum
+from .fault_vllm_ranks import (STATES, TrainerChild, TrainStep, engine_processes, send_in_flight, set_state,
+                               trainer_info, worker_checksum)
+
+
+PROMPTS = ("hello world", "the weights of")  # greedy tokens of these tell an engine's version apart
+GREEDY_TOKENS = 8
 
 
 class Hang(RuntimeError):
@@ -43,11 +48,16 @@ class EngineRig:
         save_checkpoint(self.ckpt, "dense", dtype=torch.float32)
         self.model = AutoModelForCausalLM.from_pretrained(self.ckpt, dtype=torch.float32)
         self.base = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        self.train_step = TrainStep(self.model)  # trainer rank 0's step while a refit is in flight
+        self.train_step()  # the optimizer's lazy imports now, not inside a refit's timeout
+        set_state(self.model, self.base, 0)
+        self.receive = "in-place"  # how the sessions connected now receive (a scenario's family may change it)
         self.llm, self.llm_procs = self._start_engine()
         self.child: TrainerChild | None = None
         self.engine = None  # trainer rank 0's weight-transfer engine
         self.state, self.version = 0, None
         self.refs: dict[int, list[str]] = {}
+        self.tokens: dict[int, list[list[int]]] = {}  # each state's greedy tokens (GREEDY_TOKENS of each prompt)
         self.leaked = 0  # engine processes still up after their engine's shutdown
         self.engine_restarts = 0
 
@@ -131,6 +141,28 @@ class EngineRig:
         return self.bounded(self.stall_s + 30, self.engine_ranks, self.llm.generate, ["hello world"],
                             SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
 
+    def greedy(self) -> list[list[int]]:
+        """The engine's greedy tokens for :data:`PROMPTS` (raises what ``generate`` raises)."""
+        from vllm import SamplingParams
+
+        outs, err, _ = self.bounded(self.stall_s + 30, self.engine_ranks, self.llm.generate, list(PROMPTS),
+                                    SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0, ignore_eos=True),
+                                    use_tqdm=False)
+        if err is not None:
+            raise err
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    def transfer_states(self) -> list[dict]:
+        """Every worker's refit state (:func:`~reshard.integrations.vllm.inspect.transfer_state`)."""
+        from ..integrations.vllm.inspect import transfer_state
+
+        return self.rpc(transfer_state)
+
+    def send_in_flight(self, version: str) -> dict:
+        """Rank 0's refit with ``wait=False``, its optimizer step meanwhile, then ``wait()`` (the guard's
+        figures; the refit's error raised with them as ``guard``)."""
+        return send_in_flight(self.engine, self.train_step, version)
+
     def child_answer(self, seconds: float, what: str):
         answer = self.child.wait(seconds)
         if answer is None:
@@ -153,6 +185,7 @@ class EngineRig:
             set_state(self.model, self.base, state)
             baseline.send_weights(weight_version=f"reference-{state}")
             self.refs[state] = self.digests()
+            self.tokens[state] = self.greedy()
         baseline.shutdown()
         if self.refs[0] != loaded:
             raise RuntimeError(f"the reference path does not reproduce the loaded engine: {self.refs[0]} != {loaded}")
@@ -169,8 +202,8 @@ class EngineRig:
         from ..integrations.vllm import ReshardSource
 
         port = free_port()
-        self.child.send("connect", port)
-        info = trainer_info(0, port, self.tp, self.timeout_s, self.checksum)
+        self.child.send("connect", port, self.receive)
+        info = trainer_info(0, port, self.tp, self.timeout_s, self.checksum, self.receive)
         limit = 3 * self.timeout_s + 30
         if self.engine is None:
             res, err, t = self.bounded(limit, (0,), WeightTransferTrainerFactory.trainer_init, info, client=self.llm,
@@ -184,8 +217,11 @@ class EngineRig:
             return None
         return max(t, answer[1])
 
-    def move_to(self, state: int) -> None:
+    def move_to(self, state: int, child: bool = True) -> None:
+        """Both trainer ranks' weights to ``state`` (``child`` False: rank 0's only, rank 1 died)."""
         set_state(self.model, self.base, state)
+        if not child:
+            return
         self.child.send("state", state)
         if self.child_answer(60, "new state")[0] != "ok":
             raise Hang("trainer rank 1 did not take the new state", (1,))
@@ -244,4 +280,4 @@ class EngineRig:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
-__all__ = ["EngineRig", "Hang"]
+__all__ = ["GREEDY_TOKENS", "PROMPTS", "EngineRig", "Hang"]
