@@ -395,8 +395,19 @@ class AsyncLLMClient:
         return StreamHandle(streams, asyncio.run_coroutine_threadsafe(run_all(), self.loop))
 
     def close(self) -> None:
-        """Shut the engine down (its EngineCore and workers), and this client's own loop if it has one."""
-        self.engine.shutdown()
+        """Shut the engine down (its EngineCore and workers), and this client's own loop if it has one.
+        The engine's output handler is cancelled first, on the loop (else it sees the EngineCore go and
+        logs an ``EngineDeadError``)."""
+        import asyncio
+
+        async def stop() -> None:
+            handler = getattr(self.engine, "output_handler", None)
+            if handler is not None and not handler.done():
+                handler.cancel()
+                await asyncio.gather(handler, return_exceptions=True)
+            self.engine.shutdown()
+
+        self._run(stop())
         if self._own_loop is not None:
             self._own_loop.call_soon_threadsafe(self._own_loop.stop)
             self._own_loop = None
