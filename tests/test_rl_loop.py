@@ -219,8 +219,8 @@ def test_async_loop_one_step_off_policy_every_method():
     one behind the trainer; the reshard backend's refits in the background (staged), the baselines
     blocking; every apply window between two batches; and the reward rises.
 
-    The run is deterministic for its seed (the engine's rule fixes which version samples which batch, and
-    sampling is seeded), so the reward check does not depend on the machine's speed."""
+    Which version samples which batch is fixed by the engine's rule, not by timing, and sampling is
+    seeded, so the reward check does not depend on the machine's speed."""
     pytest.importorskip("vllm")
     from reshard.apps.rl.async_loop import check_order, run
     from reshard.apps.rl.loop import RLConfig
@@ -243,5 +243,8 @@ def test_async_loop_one_step_off_policy_every_method():
         assert after.timeline["batch_started"] >= before.timeline["window_end"]
     first = sum(s.reward for s in result.steps[:3]) / 3
     last = sum(s.reward for s in result.steps[-3:]) / 3
+    print(f"\nasync loop: reward {first:.3f} (first 3 steps) -> {last:.3f} (last 3); rewards "
+          f"{[round(s.reward, 3) for s in result.steps]}; guard waits "
+          f"{sum(int(s.timeline.get('guard_waits', 0)) for s in result.steps)}")
     assert last > first + 0.1 and last > result.random_reward + 0.1, (
         f"the reward did not rise: first 3 steps {first:.3f}, last 3 {last:.3f}, random {result.random_reward:.3f}")

@@ -182,7 +182,7 @@ def _print_comparison(console, runs: dict) -> None:
     from . import report
 
     console.print(report.compare_table({k: runs[k] for k in ("sync", "async")}))
-    steps = [s for s in runs["async"].steps]
+    steps = runs["async"].steps
     stale = {n: sum(s.staleness == n for s in steps) for n in sorted({s.staleness for s in steps})}
     waits = sum(int(s.timeline.get("guard_waits", 0)) for s in steps)
     console.print(
