@@ -56,6 +56,32 @@ def test_an_optimizer_step_waits_for_the_refit_that_reads_its_parameters(guarded
     handle.wait()
 
 
+def test_the_guard_lets_a_step_go_once_the_sources_were_sent():
+    """A refit that has sent every byte (``sources_sent``) but not yet committed holds no step back: the
+    step changes only weights that already left; the refit's end (here, its error) still comes on wait()."""
+    from reshard.refit.background import sources_sent
+
+    w = torch.nn.Parameter(torch.ones(4))
+    optimizer = torch.optim.SGD([w], lr=1.0)
+    w.grad = torch.ones(4)
+    sent, commit = threading.Event(), threading.Event()
+
+    def refit():
+        read = w.detach().clone()
+        sources_sent()
+        sent.set()
+        assert commit.wait(60)  # the destinations prepare and commit: the trainer need not wait for that
+        raise RuntimeError(f"the commit failed after sending {read.tolist()}")
+
+    handle = RefitHandle(refit, sources=[w])
+    assert sent.wait(30)
+    optimizer.step()  # returns while the refit still runs
+    assert not handle.done() and w.tolist() == [0.0] * 4 and handle.guard_wait_s < 30
+    commit.set()
+    with pytest.raises(RuntimeError, match=r"after sending \[1.0, 1.0, 1.0, 1.0\]"):
+        handle.wait(60)
+
+
 def test_errors_surface_on_wait():
     def fail():
         raise RefitError("transfer round 0", "rank 3: boom", ranks=[3], moved=True)

@@ -6,15 +6,18 @@ trainer runs its next forward and backward, which read them but do not change th
 unshards into buffers of its own). The first thing that does change them is an optimizer step,
 so while a refit is in flight every optimizer step that would update one of its source tensors
 first waits for it: a global step pre-hook (``torch.optim.Optimizer``), matched by storage, that
-no user has to remember. Other writes (``p.data.copy_``, a manual update) are not seen; call
+no user has to remember. It waits until this rank's sources were sent (the refit calls
+:func:`sources_sent` once every byte left them), not for the destinations to receive, prepare
+and commit: a refit that fails after that still raises on ``wait()``, and the step it let through
+only changed weights that had already left. Other writes (``p.data.copy_``, a manual update) are not seen; call
 :meth:`RefitHandle.wait` before them, or refit from a snapshot (``snapshot=True``: the shards are
 copied first, :attr:`RefitHandle.snapshot_bytes` more memory, and nothing waits)::
 
     trainer thread                          refit thread
     h = session.refit(v, wait=False)        sends the shards (read in place)
     loss = model(batch); loss.backward()    ...
-    optimizer.step()  -> waits for h        ... commits v
-                         then updates
+    optimizer.step()  -> waits until        ... every byte sent: sources_sent()
+                         then updates       ... the destinations commit v
     h.wait()          -> the RefitStats, or the RefitError every rank raises
 
 >>> import torch
@@ -29,6 +32,7 @@ copied first, :attr:`RefitHandle.snapshot_bytes` more memory, and nothing waits)
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future
 from datetime import timedelta
 from typing import Callable, Generic, Iterable, TypeVar
@@ -40,6 +44,7 @@ Result = TypeVar("Result")
 
 _lock = threading.Lock()
 _in_flight: list["RefitHandle"] = []
+_running = threading.local()  # .handle: the RefitHandle whose refit runs on this thread
 _hook = None  # the global optimizer step pre-hook, while any refit with live sources is in flight
 
 
@@ -59,7 +64,17 @@ def _before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     for handle in handles:
         if handle.storages & params:
             handle.guard_waits += 1
-            handle.wait(raise_error=False)
+            start = time.perf_counter()
+            handle._sent.wait()
+            handle.guard_wait_s += time.perf_counter() - start
+
+
+def sources_sent() -> None:
+    """Called by a refit once this rank's sources were read for the last time (every byte left): from
+    then on the optimizer steps of the handle running on this thread, if any, need not wait."""
+    handle = getattr(_running, "handle", None)
+    if handle is not None:
+        handle._release()
 
 
 class RefitHandle(Generic[Result]):
@@ -73,6 +88,10 @@ class RefitHandle(Generic[Result]):
         self.storages = {_storage(t) for t in sources}
         self.snapshot_bytes = snapshot_bytes
         self.guard_waits = 0  # how many optimizer steps waited for this refit
+        self.guard_wait_s = 0.0  # how long they waited, in all
+        self._sent = threading.Event()  # set once the sources are free (sent, or the refit ended)
+        self.started_at = time.perf_counter()
+        self.finished_at: float | None = None  # time.perf_counter() when the refit ended (None: running)
         self._future: Future = Future()
         if self.storages:
             with _lock:
@@ -83,17 +102,21 @@ class RefitHandle(Generic[Result]):
         self._thread.start()
 
     def _run(self, run: Callable[[], Result]) -> None:
+        _running.handle = self
         try:
             result = run()
         except BaseException as error:  # noqa: BLE001 - raised again by wait()
+            self.finished_at = time.perf_counter()
             self._release()
             self._future.set_exception(error)
             return
+        self.finished_at = time.perf_counter()
         self._release()
         self._future.set_result(result)
 
     def _release(self) -> None:
         global _hook
+        self._sent.set()
         with _lock:
             if self in _in_flight:
                 _in_flight.remove(self)
@@ -121,4 +144,4 @@ class RefitHandle(Generic[Result]):
         return self._future.exception() if self.done() else None
 
 
-__all__ = ["RefitHandle"]
+__all__ = ["RefitHandle", "sources_sent"]

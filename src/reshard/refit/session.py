@@ -57,7 +57,7 @@ from ..layout import Layout
 from ..options import DEFAULT_BUCKET_BYTES, STAGED, RefitOptions
 from ..planning.methods import AUTO
 from ..tensors import LayoutError
-from .background import RefitHandle
+from .background import RefitHandle, sources_sent
 from .elastic import MembershipChanges
 from .exchange import check_ranks, detect_domains, layout_part, member_name, merged_layout
 from .sides import Side, WriteReport
@@ -275,6 +275,8 @@ class RefitSession(MembershipChanges):
         try:
             dst = destination.begin_write() if destination else {}
             run = executor.run(src, dst, decide=False)
+            if src:
+                sources_sent()  # an optimizer step waiting in a background refit's guard may go on
             faults.hit("commit")
             if destination is not None:
                 report = destination.end_write()

@@ -123,9 +123,12 @@ class BroadcastTrainerWeightTransferEngine(TrainerWeightTransferEngine[Broadcast
                                              timeout=timedelta(seconds=init_info.timeout_s), prefix=BROADCAST)
         return engine
 
-    def send_weights(self, weight_version: str | None = None) -> dict[str, int]:
+    def send_weights(self, weight_version: str | None = None, *, pause_mode: str | None = "keep") -> dict[str, int]:
         """Gather every full tensor (every trainer rank), broadcast them from rank 0; returns the bytes
-        each worker received."""
+        each worker received. Rank 0 pauses the engines (``pause_mode``, when the client can pause)
+        once the gather is done, and resumes them after the version is recorded and the prefix cache
+        dropped: vLLM serves between the calls of an update window, and a step run while the layerwise
+        reload holds a layer on the meta device fails."""
         tensors = [(name, tensor if self.dtype is None else tensor.to(self.dtype))
                    for name, tensor in full_checkpoint_tensors(self.module)]
         if not self.is_sender:
@@ -133,6 +136,9 @@ class BroadcastTrainerWeightTransferEngine(TrainerWeightTransferEngine[Broadcast
         sizes = [tensor.numel() * tensor.element_size() for _, tensor in tensors]
         update = {"names": [name for name, _ in tensors], "shapes": [list(tensor.shape) for _, tensor in tensors],
                   "dtype_names": [str(tensor.dtype).removeprefix("torch.") for _, tensor in tensors]}
+        pause = bool(pause_mode) and hasattr(self.client, "pause_generation")
+        if pause:
+            self.client.pause_generation(pause_mode)
         self.client.start_weight_update()
         pending = self._pool.submit(self.client.update_weights, update)
         with with_pending_call(pending):
@@ -140,6 +146,10 @@ class BroadcastTrainerWeightTransferEngine(TrainerWeightTransferEngine[Broadcast
                 flat = torch.cat([tensors[i][1].contiguous().reshape(-1).view(torch.uint8) for i in bucket])
                 self.group.broadcast(flat, 0)
         self.client.finish_weight_update(weight_version=weight_version)
+        if hasattr(self.client, "reset_prefix_cache"):
+            self.client.reset_prefix_cache()
+        if pause:
+            self.client.resume_generation(clear_cache=False)
         return {"recv_bytes": sum(sizes)}
 
     def shutdown(self) -> None:

@@ -12,7 +12,8 @@ vLLM drives it through its weight-sync calls (``LLM`` methods, the HTTP server's
 ``update_weights({"version": v, "method": m, "step": "receive"})`` starts ``session.receive(v)`` on
 a thread of this worker (a :class:`~reshard.refit.background.RefitHandle`) and returns at once, so
 the worker's main thread goes back to vLLM's RPC loop and serves on the current weights while the
-bytes land in staging; ``update_weights({"step": "apply"})``, once the trainer's own session
+bytes land in staging (on a CPU worker, which has only the cores it serves with, the repacking
+that follows runs at the lowest priority, so that serving goes first: :mod:`.model`); ``update_weights({"step": "apply"})``, once the trainer's own session
 committed and the engine is paused, waits for that thread (at most the session's timeout) and
 puts the staged version in place (:meth:`RefitSession.apply`: copies into live parameters, and
 the reprocessed layers' state swapped in: vLLM's post-load processing of them already ran on
@@ -63,8 +64,8 @@ refit completes.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch

@@ -54,6 +54,8 @@ padding included.
 from __future__ import annotations
 
 import copy
+import os
+import threading
 
 import torch
 
@@ -183,6 +185,10 @@ class VLLMModelSide(Side):
         """A staged receive, before the commit: run vLLM's post-load processing of each reprocessed layer
         on a shadow of it (its own parameter objects, the live layer untouched), so that
         :meth:`end_write` only swaps the processed state in (see module doc, "Staged receives")."""
+        if self.device.type == "cpu" and threading.current_thread() is not threading.main_thread():
+            # a receive thread of a CPU worker, which serves on the same cores: serving goes first (Linux
+            # priorities are per thread; the thread ends with the receive, so it is never raised again)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PREPARE_NICE)
         modules = dict(self.model.named_modules())
         with torch.no_grad():
             for mod_name, pnames in self.layers.items():
@@ -222,6 +228,7 @@ class VLLMModelSide(Side):
                 loaded[pname].__dict__.update(attributes)
 
 
+PREPARE_NICE = 19  # the repacking on a CPU worker's receive thread runs at the lowest priority
 _MODULE_STATE = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
 
 
