@@ -128,7 +128,7 @@ from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine, V
 from ...options import STAGED
 from ...refit.background import RefitHandle
 from ...refit.session import RefitSession, RefitStats
-from .clients import EngineGroup, HTTPClient, OfflineClient, PrefixCacheResetError, as_client
+from .clients import AsyncLLMClient, EngineGroup, HTTPClient, OfflineClient, PrefixCacheResetError, as_client
 from .init_info import ReshardTrainerInitInfo, check_pause_mode
 from .source import ReshardSource
 from .threads import in_thread, outcome, with_pending_call
@@ -400,7 +400,7 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
             return problem + f"; {type(client).__name__} cannot be gated: it may answer from KV of older weights"
         reason = f"the refit to weight version {version!r} committed, but {problem}"
         try:
-            if isinstance(client, (OfflineClient, HTTPClient)):
+            if isinstance(client, (OfflineClient, HTTPClient, AsyncLLMClient)):
                 client.gate(reason, torn=False)
             else:
                 client.gate(reason)
