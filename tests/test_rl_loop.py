@@ -33,6 +33,7 @@ from reshard.apps.rl.loop import VersionError, batch_version
 
 SHORT = {"prompts": 2, "group": 4, "max_tokens": 6, "timeout_s": 120.0}
 ASYNC_STEPS, ASYNC_LR = 12, 3e-2  # the async test: enough steps for the reward to rise (the demo's batch size)
+STALL_S = 5.0  # the async test holds one background refit back this long (a training step takes well under it)
 
 
 # ---------------------------------------------------------------------- no processes
@@ -227,7 +228,8 @@ def test_async_loop_one_step_off_policy_every_method():
     from reshard.apps.rl.policy import REFIT_METHODS, SESSION_METHODS
 
     methods = REFIT_METHODS
-    cfg = RLConfig(steps=ASYNC_STEPS, methods=methods, verify=True, asynchronous=True, lr=ASYNC_LR, timeout_s=120.0)
+    cfg = RLConfig(steps=ASYNC_STEPS, methods=methods, verify=True, asynchronous=True, lr=ASYNC_LR, timeout_s=120.0,
+                   stall_refit_s=STALL_S)
     result = _run(cfg, run)
     assert len(result.steps) == cfg.steps
     for step, record in enumerate(result.steps):
@@ -238,6 +240,11 @@ def test_async_loop_one_step_off_policy_every_method():
         assert record.overlapped == (record.method in SESSION_METHODS)
         assert record.refit > 0 and record.pause is not None and record.pause > 0 and record.blocked > 0
         assert record.logprob_gap < 1.0
+    # the refit after step 1 (hybrid, in the background) was held back STALL_S before any byte moved: the
+    # optimizer step of step 2 waited for it on every rank, and what the engine got is what it sent (verified)
+    held = result.steps[1]
+    assert held.overlapped and held.timeline["guard_waits"] == cfg.trainers, held.timeline
+    assert held.blocked > 0.5 * STALL_S and held.verified is True
     check_order(result.steps)  # the loop checked it too; here on the records it returned
     for before, after in zip(result.steps, result.steps[2:]):
         assert after.timeline["batch_started"] >= before.timeline["window_end"]

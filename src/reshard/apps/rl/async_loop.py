@@ -121,6 +121,8 @@ def run_steps(rig: Rig, on_step: Callable[[StepRecord], None]) -> list[StepRecor
             on_step(records[-1])
         method = cfg.methods[step % len(cfg.methods)]
         snapshot = os.path.join(rig.ckpt, f"sent-{step + 1}") if cfg.verify and method in SESSION_METHODS else None
+        if step == 1 and cfg.stall_refit_s:  # tests: hold this refit back so that the guard has to act
+            rig.trainers.each("stall_next_refit", [(0.0,)] * (cfg.trainers - 1) + [(cfg.stall_refit_s,)])
         started = rig.trainers.all("refit_start", method, str(step + 1), rig.ckpt, snapshot)
         record = StepRecord(step=step, method=method, version=version, reward=float(rewards.mean()),
                             generation=batch["ended"] - batch["started"], training=training, refit=0.0, other=0.0,

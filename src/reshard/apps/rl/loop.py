@@ -63,6 +63,9 @@ class RLConfig:
     verify: bool = False
     timeout_s: float = 300.0  # bounds every call to an actor
     asynchronous: bool = False  # one-step off-policy (reshard.apps.rl.async_loop); False: this module's loop
+    # tests of the async loop: the refit after step 1 stalls this long on the last trainer rank before any byte
+    # moves (reshard's fault injection, stall@agreement), so the next optimizer step must wait for it (the guard)
+    stall_refit_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.asynchronous and not self.refit:

@@ -226,6 +226,15 @@ class PolicyTrainer:
         return {"seconds": time.monotonic() - start, "guard_waits": handle.guard_waits,
                 "pause_s": self.transfers[method].last_pause_s if self.rank == 0 else None}
 
+    def stall_next_refit(self, seconds: float) -> None:
+        """For tests: this rank's next refit sleeps ``seconds`` before any byte moves (reshard's fault
+        injection, ``stall@agreement``); 0 arms nothing."""
+        from ...execution import faults
+
+        if seconds > 0:
+            os.environ["RESHARD_FAULT_STALL_S"] = str(seconds)
+            faults.arm("stall@agreement")
+
     def _save(self, directory: str) -> None:
         """Every rank gathers the full tensors; rank 0 saves them (bf16, the engine's dtype) in ``directory``."""
         from safetensors.torch import save_file
