@@ -8,8 +8,9 @@ weights after step ``k`` overlaps both the next training and the engine's servin
     2         submit batch k+1 (version k)                                 starts once it serves version k
     3         rewards, advantages
     4         train batch k                forward, backward; the          generates batch k+1
-                                           optimizer step waits for
-                                           refit k (reshard's guard)
+                                           optimizer step waits until
+                                           refit k sent their shards
+                                           (reshard's guard)
     5         end refit k (refit_wait)     (stats, or its error)
     6         start refit k+1              send_weights(wait=False)        receives into staging while
                                                                            it generates batch k+1

@@ -15,7 +15,7 @@ The asynchronous loop refits with ``refit_start`` (the reshard backend's methods
 ``staged=True``: ``send_weights(..., wait=False)``, the engine receiving into staging while it
 serves; the other methods block there) and ``refit_wait`` (the refit's end); the next ``train``
 runs meanwhile: its forward and backward read the shards being sent, and its optimizer step waits
-for the refit (reshard's optimizer-step guard). ``train`` reports how long that wait took.
+until they have been sent (reshard's optimizer-step guard). ``train`` reports how long that wait took.
 
 Refit methods (the same trainer weights; the engine holds the same bytes after any of them)::
 
