@@ -5,9 +5,9 @@ A fixed subset of ``benchmarks/bench_faults.py``'s overlap families, over real g
 (:mod:`reshard.apps.fault_suite`). Each scenario asserts what the suite counts: no hang, no silent
 corruption, no torn model (a staged destination also checks its live weights, every 10 ms while
 its receive is in flight, against the version it holds), every rank told, every destination that
-had not started putting bytes in place still ``ready`` at its previous version with its bytes, no
-optimizer step returning while the refit it would change still ran; then the survivors refit
-again. A control shows the "kept serving" count can fall short: the same fault with in-place
+had not started putting bytes in place still ``ready`` at its previous version with its bytes, every
+refit in flight guarding the trainer's parameters (and the committed bytes, the version from before
+the trainer's step); then the survivors refit again. A control shows the "kept serving" count can fall short: the same fault with in-place
 destinations leaves the one it reached poisoned.
 
 Timeouts: each refit's is ``T`` (5 s: a loaded 2-core machine stretches a clean refit of these
@@ -54,7 +54,7 @@ def _check(o: Outcome, expected: set[str]) -> None:
     assert not o.hung, f"{where}: ranks {o.hung} never reported (a hang)"
     assert o.silent == 0, f"{where}: a committed destination holds wrong bytes"
     assert o.torn == 0, f"{where}: a destination held or served a mix of versions: {o.notes}"
-    assert o.guard_broken == 0, f"{where}: an optimizer step did not wait for the refit: {o.notes}"
+    assert o.guard_broken == 0, f"{where}: a refit in flight guarded no parameter: {o.notes}"
     assert o.result in expected, f"{where}: came to {o.result!r}, expected one of {expected}; {o.notes}"
     if s.fault is None:
         return
@@ -97,3 +97,29 @@ def test_missed_targets_are_counted():
     assert missed(Outcome(scenario(1, "raise@commit", 0, "trainer"), guard_broken=1))
     with pytest.raises(ValueError, match="overlap"):
         scenario(2, None, 0, "sideways")
+
+
+def test_the_vllm_suite_draws_families_and_counts_them_apart():
+    """The vLLM suite's draws in a family keep the blocking draw's faults; its figures count "kept serving"
+    per family (no engine needed)."""
+    import random
+
+    from reshard.apps import fault_suite_vllm
+    from reshard.apps.fault_scenarios import OVERLAPS
+
+    blocking = [fault_suite_vllm.random_scenario(i, random.Random(5), 2, 3, {0: [0], 1: [1]}) for i in range(4)]
+    staged = [fault_suite_vllm.random_scenario(i, random.Random(5), 2, 3, {0: [0], 1: [1]}, overlap="staged")
+              for i in range(4)]
+    assert [(s.fault, s.fault_rank) for s in blocking] == [(s.fault, s.fault_rank) for s in staged]
+    assert all(s.staged and not s.in_flight for s in staged) and not any(s.staged for s in blocking)
+    outcomes = [Outcome(staged[0], fired=True, result="recovered", kept=1, kept_due=1),
+                Outcome(blocking[0], fired=True, result="recovered"),
+                Outcome(staged[1].in_family("trainer"), fired=True, result="recovered", guard_waits=2)]
+    figures = fault_suite_vllm.engine_summary(outcomes)
+    assert figures["kept serving the previous version / should have (failed refits)"] == "1 / 1"
+    families = family_figures(outcomes)
+    assert families["staged receive"]["kept serving the previous version"] == 1
+    assert families["trainer in flight"]["optimizer steps that waited / unguarded refits"] == "2 / 0"
+    assert not fault_suite_vllm.needs_a_look(outcomes[0])
+    assert fault_suite_vllm.needs_a_look(Outcome(staged[0], fired=True, result="recovered", kept=0, kept_due=1))
+    assert len(OVERLAPS) == 4

@@ -145,7 +145,7 @@ class Outcome:
     kept_due: int = 0  # those that should have: had not started putting bytes in place (module doc)
     served: int = 0  # reads (generates) of the live weights while a staged receive was in flight, all checked
     guard_waits: int = 0  # optimizer steps that found the refit in flight and waited for it
-    guard_broken: int = 0  # optimizer steps that returned while the refit they would change was still running
+    guard_broken: int = 0  # refits in flight that guarded none of the parameters they read (the step would not wait)
 
     def record(self, side: str | None = None) -> dict:
         """This outcome as JSON-ready data: the scenario described, each rank's events by rank."""
@@ -179,7 +179,7 @@ def summary(outcomes: list[Outcome], extra: dict | None = None) -> dict:
         f"{sum(o.kept for o in outcomes)} / {sum(o.kept_due for o in outcomes)}"
     if any(o.scenario.overlap for o in outcomes):
         out["reads of live weights while a staged receive was in flight (all checked)"] = sum(o.served for o in outcomes)
-        out["optimizer steps that waited for a refit in flight / returned before it ended"] = \
+        out["optimizer steps that waited for a refit in flight / refits with no guard"] = \
             f"{sum(o.guard_waits for o in outcomes)} / {sum(o.guard_broken for o in outcomes)}"
     out.update(extra or {})
     results: dict[str, int] = {}
@@ -218,7 +218,7 @@ def bad(outcome: Outcome) -> bool:
 
 def missed(outcome: Outcome) -> bool:
     """Whether the outcome misses an overlap target: a destination that should have kept serving its
-    previous version did not, or an optimizer step did not wait for the refit it would change."""
+    previous version did not, or a refit in flight did not guard the parameters it reads."""
     return outcome.kept < outcome.kept_due or bool(outcome.guard_broken)
 
 
@@ -235,7 +235,7 @@ def family_figures(outcomes: list[Outcome]) -> dict[str, dict]:
                        "failed refits": sum(not o.result.startswith("committed") for o in mine),
                        "kept serving the previous version": sum(o.kept for o in mine),
                        "  should have (had not started putting bytes in place)": sum(o.kept_due for o in mine),
-                       "optimizer steps that waited / returned first": f"{sum(o.guard_waits for o in mine)} / "
+                       "optimizer steps that waited / unguarded refits": f"{sum(o.guard_waits for o in mine)} / "
                                                                        f"{sum(o.guard_broken for o in mine)}"}
     return out
 

@@ -34,8 +34,9 @@ changes): the workers receive on a thread while the engine serves, and before tr
 of the new version has started and that the engine's greedy tokens and digests are still those of
 the state it holds (otherwise a torn model served). With ``trainer`` both trainer ranks call
 ``send_weights(v, wait=False)``, run a forward, a backward and an SGD step of their model while it
-is in flight (the step must wait for the refit: one that returns first is a broken guard, and the
-engine would then hold other weights than the reference, a silent corruption), then ``wait()``,
+is in flight (the step must wait for the refit: a handle guarding none of the parameters is a broken
+guard, and a step let through would leave the engine with other weights than the reference, a
+silent corruption), then ``wait()``,
 which must give the error a blocking refit gives; the harness then puts the trainer back at the
 state the refit carried. ``both``: the two together. After a failed refit, an engine that had not
 started putting bytes in place (a staged one: the apply step comes only after the commit; an
@@ -133,7 +134,7 @@ class EngineDriver:
         try:
             return self.run(s, rng)
         except Hang as e:
-            return Outcome(s, hung=list(e.ranks), result="hang", notes=[f"hang: {e}"])
+            return Outcome(s, hung=list(e.ranks), result="hang", notes=[f"hang: {e}", *self._after_hang()])
         except Exception:  # noqa: BLE001 - the harness cannot go on (a new engine did not start, ...)
             import traceback
 
@@ -141,6 +142,23 @@ class EngineDriver:
             if self.rig.llm is not None and self.rig.engine_dead():
                 o.result = "harness error: the engine died, no engine kill armed"
             return o
+
+    def _after_hang(self) -> list[str]:
+        """What can still be read after a hang, for the report: the workers' states (a short wait: their
+        main threads may be the ones stuck), whether the trainer gated the engine, its version."""
+        from ..integrations.vllm.clients import as_client
+
+        rig, out = self.rig, []
+        try:
+            out.append(f"workers: {rig.transfer_states(seconds=10)}")
+        except Exception as e:  # noqa: BLE001 - reported as it is
+            out.append(f"workers' states unreadable: {type(e).__name__}: {e}")
+        try:
+            out.append(f"gated: {as_client(rig.llm).gated!r}; engine dead: {rig.engine_dead()}; "
+                       f"version {rig.llm.get_weight_version()!r}")
+        except Exception as e:  # noqa: BLE001
+            out.append(f"engine unreadable: {type(e).__name__}: {e}")
+        return out
 
     def _arm(self, s: Scenario, fire_file: str, fired: list[float]) -> None:
         rig, side = self.rig, side_of(s)
@@ -190,7 +208,7 @@ class EngineDriver:
                 o.guard_waits += guard.get("guard_waits", 0)
                 o.guard_broken += guard.get("guard_broken", 0)
             if o.guard_broken:
-                o.notes.append("an optimizer step returned while the refit it changes was still in flight")
+                o.notes.append("a refit in flight guarded none of the trainer's parameters")
             rig.move_to(state, child=answer is not None)
         fired_at = main_fired[0] if main_fired else answer[2] if answer else None
         if side == "engine" and os.path.exists(fire_file):
@@ -225,7 +243,8 @@ class EngineDriver:
                 receiving = [st["receiving"] for st in rig.transfer_states()]
                 tokens, digests = rig.greedy(), rig.digests()
             except Exception as e:  # noqa: BLE001 - judged below, and the refit goes on
-                o.notes.append(f"serving while receiving: {type(e).__name__}: {e}")
+                if not (is_engine_kill(s) and rig.engine_dead()):  # a worker killed at its fault point may go first
+                    o.notes.append(f"serving while receiving: {type(e).__name__}: {e}")
             else:
                 if receiving != [version] * rig.tp:
                     o.notes.append(f"the serving check found the workers receiving {receiving}, not {version!r}")

@@ -65,11 +65,12 @@ class TrainStep:
 
 def send_in_flight(engine, step: TrainStep, version: str) -> dict:
     """``send_weights(version, wait=False)``, the trainer's step while it is in flight, then ``wait()``:
-    how many optimizer steps waited for it and whether the step returned before it ended
+    how many optimizer steps waited for it and whether it guarded none of the trainer's parameters
     (``{"guard_waits", "guard_broken"}``); the refit's error is raised with them as ``guard``."""
     handle = engine.send_weights(weight_version=version, wait=False)
+    broken = int(not handle.storages)  # no guard: the step would not wait (the engine's digest tells if it mattered)
     step()
-    guard = {"guard_waits": handle.guard_waits, "guard_broken": int(not handle.done())}
+    guard = {"guard_waits": handle.guard_waits, "guard_broken": broken}
     try:
         handle.wait()
     except Exception as error:

@@ -152,11 +152,11 @@ class EngineRig:
             raise err
         return [list(o.outputs[0].token_ids) for o in outs]
 
-    def transfer_states(self) -> list[dict]:
+    def transfer_states(self, seconds: float | None = None) -> list[dict]:
         """Every worker's refit state (:func:`~reshard.integrations.vllm.inspect.transfer_state`)."""
         from ..integrations.vllm.inspect import transfer_state
 
-        return self.rpc(transfer_state)
+        return self.rpc(transfer_state, seconds=seconds)
 
     def send_in_flight(self, version: str) -> dict:
         """Rank 0's refit with ``wait=False``, its optimizer step meanwhile, then ``wait()`` (the guard's
