@@ -82,6 +82,18 @@ def test_the_guard_lets_a_step_go_once_the_sources_were_sent():
         handle.wait(60)
 
 
+def test_source_tensors_must_match_the_source_side():
+    from reshard.refit.session import _replacing
+    from reshard.tensors import LayoutError
+
+    src = {"w": torch.zeros(2, 3)}
+    assert _replacing(src, {"w": torch.ones(2, 3)}, 0)["w"].sum() == 6
+    with pytest.raises(LayoutError, match=r"rank 1: source_tensors\['w'\] is \(3, 2\)"):
+        _replacing(src, {"w": torch.ones(3, 2)}, 1)
+    with pytest.raises(LayoutError, match="rank 0: source_tensors lacks buffer 'w'"):
+        _replacing(src, {}, 0)
+
+
 def test_errors_surface_on_wait():
     def fail():
         raise RefitError("transfer round 0", "rank 3: boom", ranks=[3], moved=True)

@@ -240,8 +240,9 @@ class _Session:
         self.calls, self.error = calls, error
         self.group = type("Group", (), {"control": _Notes({1: None} if applied is None else applied)})()
 
-    def refit(self, version):
+    def refit(self, version, source_tensors=None):
         self.calls.append(("refit", version))
+        self.sent = source_tensors
         if self.error is not None:
             raise self.error
         return version
@@ -281,6 +282,20 @@ def test_a_failed_put_in_place_gates_the_engine_and_records_no_version(applied):
     assert calls == [("start",), ("update", "receive"), ("refit", "9"), ("pause", "keep"), ("update", "apply"),
                      ("finish", None), ("gate",)]
     assert "version '9'" in engine.client.gated
+
+
+def test_a_snapshot_send_sends_copies_and_guards_nothing():
+    """``send_weights(wait=False, snapshot=True)``: the shards are copied before it returns, the refit
+    sends the copies, and an optimizer step over the live shard does not wait."""
+    calls = []
+    engine = _trainer(calls)
+    w = torch.nn.Parameter(torch.ones(3))
+    engine.session.source = type("Source", (), {"read": lambda self: {"w": w}})()
+    handle = engine.send_weights(weight_version="5", wait=False, snapshot=True)
+    assert handle.snapshot_bytes == 12 and not handle.storages
+    assert handle.wait(30) == "5"
+    sent = engine.session.sent["w"]
+    assert sent is not w and sent.data_ptr() != w.data_ptr() and sent.tolist() == [1.0] * 3
 
 
 def test_failed_staged_refit_drops_the_staging_and_does_not_gate():

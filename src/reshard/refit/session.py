@@ -204,16 +204,19 @@ class RefitSession(MembershipChanges):
             raise error from None
 
     # ------------------------------------------------------------------ refits
-    def refit(self, version: object = None, *, wait: bool = True, snapshot: bool = False
-              ) -> RefitStats | RefitHandle[RefitStats]:
+    def refit(self, version: object = None, *, wait: bool = True, snapshot: bool = False,
+              source_tensors: Mapping[str, object] | None = None) -> RefitStats | RefitHandle[RefitStats]:
         """Move this step's weights: sources send, destinations receive, every rank commits ``version``
         (staged destinations put it in place right after). Collective over the group; raises
         :class:`RefitError` on every rank if any rank fails (see module doc for the destination's
         state afterwards). ``wait=False``: return a :class:`~reshard.refit.background.RefitHandle` as
         soon as the refit has started on a thread; optimizer steps that would change a source tensor
         wait for it, and ``wait()`` gives the stats or raises the error (``snapshot``: send copies
-        of the sources instead, so nothing waits)."""
+        of the sources instead, so nothing waits). ``source_tensors``: send these (copies the
+        caller made, by the source side's buffer names and shapes) instead of the source's own."""
         src = self._read_source()
+        if source_tensors is not None:
+            src = _replacing(src, source_tensors, self.rank)
         if wait:
             return self._refit(version, src, apply=True)
         sources = [] if snapshot else list(src.values())
@@ -339,6 +342,20 @@ class RefitSession(MembershipChanges):
     def _close_executor(self) -> None:
         if self.executor is not None:
             self.executor.close()  # a reshard executor holds nothing; a hybrid one its broadcast subgroup
+
+
+def _replacing(src: dict, given: Mapping[str, object], rank: int) -> dict:
+    """``given`` in place of the source buffers ``src``: the same names, shapes and dtypes (else a
+    LayoutError naming the buffer and the rank, before any byte moves)."""
+    for name in sorted(set(src) | set(given)):
+        if name not in src or name not in given:
+            raise LayoutError(f"rank {rank}: source_tensors {'has' if name in given else 'lacks'} buffer {name!r}, "
+                              f"which the source side {'lacks' if name in given else 'has'}")
+        mine, theirs = src[name], given[name]
+        if tuple(mine.shape) != tuple(theirs.shape) or mine.dtype != theirs.dtype:
+            raise LayoutError(f"rank {rank}: source_tensors[{name!r}] is {tuple(theirs.shape)} {theirs.dtype}, the "
+                              f"source side's buffer is {tuple(mine.shape)} {mine.dtype}")
+    return dict(given)
 
 
 __all__ = ["AUTO", "DEFAULT_BUCKET_BYTES", "EMPTY", "POISONED", "READY", "RefitError", "RefitSession", "RefitStats",

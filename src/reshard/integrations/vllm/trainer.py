@@ -214,7 +214,7 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
         return f"engine {index} (refit rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
 
     def send_weights(self, weight_version: str | None = None, *, pause_mode: str | None = "default",
-                     wait: bool = True) -> RefitStats | RefitHandle[RefitStats]:
+                     wait: bool = True, snapshot: bool = False) -> RefitStats | RefitHandle[RefitStats]:
         """One refit (on every trainer rank): rank 0 pauses each engine (``pause_mode``: ``"default"`` for
         the init info's, a vLLM pause mode, or None), starts its update, every rank sends while the
         workers receive, every rank commits; then rank 0 records the version on each engine and
@@ -223,7 +223,9 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
         serve while they receive and pause only to put the version in place (see module doc,
         "Receiving while serving"). ``wait=False``: the whole send runs on a thread; the returned
         :class:`~reshard.refit.background.RefitHandle` gives the stats or raises the error on
-        ``wait()``, and an optimizer step over a parameter it sends waits for it first."""
+        ``wait()``, and an optimizer step over a parameter it sends waits for it first (``snapshot``:
+        this rank's shards are copied first, :attr:`RefitHandle.snapshot_bytes` more memory until the
+        refit ends, and nothing waits)."""
         if self.session is None:
             raise RuntimeError("the reshard trainer engine is not connected")
         mode = self.init_info.pause_mode if pause_mode == "default" else pause_mode
@@ -233,22 +235,27 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
         if wait:
             return self._send(version, mode)
         source = self.session.source
-        sources = list(source.read().values()) if source is not None else []
-        return RefitHandle(lambda: self._send(version, mode), sources=sources, name=f"reshard-send-{version}")
+        sources = source.read() if source is not None else {}
+        if not snapshot:
+            return RefitHandle(lambda: self._send(version, mode), sources=list(sources.values()),
+                               name=f"reshard-send-{version}")
+        copies = {name: tensor.detach().clone() for name, tensor in sources.items()}
+        return RefitHandle(lambda: self._send(version, mode, copies), name=f"reshard-send-{version}",
+                           snapshot_bytes=sum(t.numel() * t.element_size() for t in copies.values()))
 
-    def _send(self, version: str, mode: str | None) -> RefitStats:
+    def _send(self, version: str, mode: str | None, copies: dict | None = None) -> RefitStats:
         engines = self._engines() if self.is_sender else []
         paused = [bool(mode) and hasattr(client, "pause_generation") for client in engines]
         self.last_pause_s = [None] * len(engines)
         pause_started: list[float | None] = [None] * len(engines)
         if self.init_info.options.receive == STAGED:
-            return self._send_staged(version, mode, engines, paused, pause_started)
+            return self._send_staged(version, mode, engines, paused, pause_started, copies)
         # one thread per engine: a dead engine fails its own calls, the others join the refit that names it
         rounds = [in_thread(self._engine_round, client, mode if pause else None, version, self.init_info.options.method,
                             pause_started, index)
                   for index, (client, pause) in enumerate(zip(engines, paused))]
         try:
-            self.last_stats = self.session.refit(version)
+            self.last_stats = self.session.refit(version, source_tensors=copies)
         except Exception as error:
             if self.is_sender:
                 self._after_failure(error, version, engines, rounds, paused)
@@ -264,7 +271,7 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
         client.update_weights({"version": version, "method": method})
 
     def _send_staged(self, version: str, mode: str | None, engines: list, paused: list[bool],
-                     pause_started: list) -> RefitStats:
+                     pause_started: list, copies: dict | None = None) -> RefitStats:
         """A refit the engines receive while serving (see module doc): each engine's workers start their
         receive (the call returns at once), every rank sends and commits, then each engine pauses for
         the apply step only."""
@@ -279,7 +286,7 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
         for future in receives:  # they return at once; a dead engine's ranks fail the refit below, named
             outcome(future, max(0.0, deadline - time.monotonic()))
         try:
-            self.last_stats = self.session.refit(version)
+            self.last_stats = self.session.refit(version, source_tensors=copies)
         except Exception as error:
             if self.is_sender:
                 self._after_staged_failure(error, version, engines, receives, paused)
