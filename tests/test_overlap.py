@@ -120,9 +120,9 @@ def _overlapped(job, job_rank, rank, world, store_addr, path, out_dir):
                 torch.save(state, f"{out_dir}/expected{step}.pt")
             handle = session.refit(version=step, wait=False)
             model(input_ids=ids, labels=ids).loss.backward()  # reads the shards the refit is sending
-            opt.step()  # changes them: waits for the refit first
+            opt.step()  # changes them: waits until the refit has sent them
             opt.zero_grad()
-            assert handle.done()
+            assert handle.sent
             if step == 0:  # the engines came late: the step found the refit in flight and waited
                 assert handle.guard_waits == 1, handle.guard_waits
             assert handle.wait().sent_bytes > 0

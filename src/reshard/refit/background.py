@@ -124,6 +124,11 @@ class RefitHandle(Generic[Result]):
                 _hook.remove()
                 _hook = None
 
+    @property
+    def sent(self) -> bool:
+        """Whether this rank's sources were sent (or the refit ended): optimizer steps no longer wait."""
+        return self._sent.is_set()
+
     def done(self) -> bool:
         """Whether the refit has ended (committed or failed)."""
         return self._future.done()
