@@ -107,12 +107,12 @@ class RefitHandle(Generic[Result]):
             result = run()
         except BaseException as error:  # noqa: BLE001 - raised again by wait()
             self.finished_at = time.perf_counter()
-            self._release()
             self._future.set_exception(error)
+            self._release()  # after the outcome: a step the guard held sees the refit done
             return
         self.finished_at = time.perf_counter()
-        self._release()
         self._future.set_result(result)
+        self._release()
 
     def _release(self) -> None:
         global _hook
