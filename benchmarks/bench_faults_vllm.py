@@ -29,8 +29,8 @@ wait=False)`` and take an optimizer step of their model meanwhile, which must wa
 then ``wait()``), ``both``. Besides hangs, silent corruptions and torn models, the suite counts the
 engines that *kept serving the previous version* after a failed refit (not gated, vLLM's version
 unmoved, every worker ready at its version, greedy tokens and digests of that version) against
-those that should have: a staged engine that had not begun its apply step, or one whose refit
-failed before bytes moved. The exit status is 1 when a target is missed.
+those that should have: a staged engine that had not begun its apply step, or an in-place one
+whose workers all say no byte reached them. The exit status is 1 when a target is missed.
 """
 
 from __future__ import annotations

@@ -202,8 +202,8 @@ def _refit(s: Scenario, session: RefitSession, version: int, out: dict, *, train
         if trainer is not None:
             # the guard: the optimizer step waits for the refit reading its parameters. Whether it waited long
             # enough is the destinations' byte check (a step it let through sends the next version's bytes: a
-            # silent corruption); handle.done() right after the step is no test, since the handle releases its
-            # guard once the refit returned, a moment before it publishes the result
+            # silent corruption); handle.done() right after the step is no test, since the guard lets the step
+            # through once this rank's sources were sent, before the refit ends
             if not handle.storages:
                 out["guard_broken"] += 1
                 out["notes"].append(f"rank {session.rank}: the refit to version {version} in flight guards none of "

@@ -40,8 +40,8 @@ silent corruption), then ``wait()``,
 which must give the error a blocking refit gives; the harness then puts the trainer back at the
 state the refit carried. ``both``: the two together. After a failed refit, an engine that had not
 started putting bytes in place (a staged one: the apply step comes only after the commit; an
-in-place one whose refit failed before bytes moved) must have *kept serving its previous
-version*: not gated, vLLM's version unmoved, every worker ``ready`` at the version it had with no
+in-place one whose workers all report no byte reached them, ``ready`` at the version they had)
+must have *kept serving its previous version*: not gated, vLLM's version unmoved, every worker ``ready`` at the version it had with no
 receive left over, its greedy tokens and digests those of its state's reference.
 
 Detection time: fault fired -> the last trainer rank that did not fault raising ``RefitError``.
@@ -330,7 +330,11 @@ class EngineDriver:
             o.torn += 1
             o.notes.append(f"the engine reports version {now!r} after a failed refit (was {rig.version!r})")
         _, gen_err, _ = rig.generate()
-        if o.scenario.staged or not o.moved:  # had not started putting bytes in place: it should serve its version
+        # had not started putting bytes in place, so it should serve its version: a staged engine (the apply step
+        # comes only after the commit), or one whose workers all say no byte reached them (ready at their version)
+        untouched = [st["state"] == "ready" and st["version"] == was["version"]
+                     for st, was in zip(rig.transfer_states(), a.before)]
+        if o.scenario.staged or all(untouched):
             o.kept_due += 1
             o.kept += int(self._kept_serving(a, now, gen_err, o))
         if not o.moved:
