@@ -145,6 +145,8 @@ class Control:
             self.raise_if_aborted(what)
             if time.monotonic() > deadline:
                 missing = [r for r in range(self.size) if not self.store.check([f"c/{n}/{r}"])]
+                if not missing:  # the last ones arrived after the count was read: every rank is here
+                    break
                 raise RefitError(what, f"{_ranks_str(missing)} did not arrive within {limit:g} s "
                                        f"(dead, stalled, or not calling the same refit)", ranks=missing)
             time.sleep(pause)
