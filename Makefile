@@ -48,7 +48,8 @@ bench-checksum: $(CORE)
 bench-fp8: $(CORE)
 	$(PY) benchmarks/bench_fp8.py
 
-# randomized faults (kill, stall, raise, corrupt) in refits over real processes: hangs, corruptions, torn models
+# randomized faults (kill, stall, raise, corrupt) in refits over real processes, blocking, staged receives and
+# trainers stepping with a refit in flight: hangs, corruptions, torn models, destinations kept serving their version
 bench-faults: $(CORE)
 	$(PY) benchmarks/bench_faults.py
 
