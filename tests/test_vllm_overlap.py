@@ -232,6 +232,9 @@ class _Notes:
     def notes(self, key, ranks, timeout):
         return {rank: self.applied[rank] for rank in ranks if rank in self.applied}
 
+    def drop_notes(self, key, ranks):
+        pass
+
 
 class _Session:
     source = None

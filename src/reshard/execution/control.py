@@ -132,6 +132,11 @@ class Control:
         posted = [r for r, k in keys.items() if self.store.check([k])]
         return {r: pickle.loads(self.store.get(keys[r])) for r in posted}
 
+    def drop_notes(self, key: str, ranks: Sequence[int]) -> None:
+        """Delete the notes ``ranks`` posted under ``key`` (read, or no longer needed)."""
+        for r in ranks:
+            self.store.delete_key(f"n/{key}/{r}")
+
     # ------------------------------------------------------------------ waits
     def gather(self, what: str, obj=None, timeout: timedelta | None = None) -> list:
         """Every rank's ``obj`` (picklable), in rank order; raises naming the ranks that never arrived."""

@@ -293,21 +293,26 @@ class RefitSession(MembershipChanges):
         except Exception as e:  # noqa: BLE001 - the decision below reports it to every rank
             error = RefitError(executor.where if run is None else "commit",
                                f"rank {self.rank}: {type(e).__name__}: {e}", ranks=[self.rank])
+        decision = self.group.control.decisions + 1  # the same number on every rank
+        if destination is not None:
+            self._note_written(decision, executor.touched and not staged)
         try:
             self.group.control.decide(error, self.timeout)
         except RefitError as e:
+            moved = self._moved(executor, decision)
             self.failure = self.group.fail(e)
             if destination is not None:
                 destination.abort_write()
                 self.state = POISONED if (executor.touched and not staged) or before == POISONED else before
-            raise RefitError(e.phase, f"{what} failed: {e.message}", ranks=e.ranks, moved=self._moved(executor)
-                             ) from None
+            raise RefitError(e.phase, f"{what} failed: {e.message}", ranks=e.ranks, moved=moved) from None
         except Exception as e:  # the store itself is gone (its host died)
             self.failure = self.group.fail(RefitError("commit", f"the control store is gone: {e}", ranks=[0]))
             if destination is not None:
                 destination.abort_write()
                 self.state = POISONED if (executor.touched and not staged) or before == POISONED else before
             raise self.failure.but(moved=self._moved(executor)) from None
+        if destination is not None:
+            self.group.control.drop_notes(f"written/{decision}", [self.rank])  # committed: no one reads it
         if staged:
             self.staged_version, self.state = version, STAGED_STATE
         elif destination is not None:
@@ -318,10 +323,30 @@ class RefitSession(MembershipChanges):
                           run.peak_staging_bytes + report.staging_bytes, report.in_place_bytes,
                           report.reprocessed_bytes, run, report.staging_bytes if staged else 0, report.paths)
 
-    def _moved(self, executor: Executor) -> bool:
+    def _note_written(self, decision: int, written: bool) -> None:
+        """Post whether this destination's live bytes may have been written in this refit (read by
+        :meth:`_moved` on the other ranks if it fails)."""
+        try:
+            self.group.control.note(f"written/{decision}", written)
+        except Exception:  # noqa: BLE001 - the store is gone: the others then assume the worst
+            pass
+
+    def _moved(self, executor: Executor, decision: int | None = None) -> bool:
         """Whether live destination bytes may have moved: never before the commit under
-        ``receive="staged"`` (the same option on every rank)."""
-        return executor.touched and self.options.receive != STAGED
+        ``receive="staged"`` (the same option on every rank); else not if this rank's executor never
+        got past the agreement, nor if every destination rank says it wrote nothing (its note for
+        ``decision``: a source that went on alone, after the others gave up at the agreement, moved
+        no destination byte); a destination rank that posted no note in time counts as written."""
+        if not executor.touched or self.options.receive == STAGED:
+            return False
+        if decision is None:
+            return True
+        destinations = [rank for rank, (_, _, has_dst) in self.members.items() if has_dst]
+        try:
+            notes = self.group.control.notes(f"written/{decision}", destinations, timeout=MOVED_NOTE_WAIT_S)
+        except Exception:  # noqa: BLE001 - the store is gone: assume the worst
+            return True
+        return len(notes) < len(destinations) or any(notes.values())
 
     @property
     def writer_layout(self) -> Layout:
@@ -342,6 +367,9 @@ class RefitSession(MembershipChanges):
     def _close_executor(self) -> None:
         if self.executor is not None:
             self.executor.close()  # a reshard executor holds nothing; a hybrid one its broadcast subgroup
+
+
+MOVED_NOTE_WAIT_S = 2.0  # how long a failed refit waits for the destinations' notes (they post before deciding)
 
 
 def _replacing(src: dict, given: Mapping[str, object], rank: int) -> dict:

@@ -306,7 +306,9 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
         _pause(client, mode, pause_started, index)
         client.update_weights({"version": version, "method": method, "step": "apply"})
         ranks = self.init_info.engine_ranks(index)
-        notes = self.session.group.control.notes(f"applied/{version}", ranks, timeout=self.grace_s)
+        control = self.session.group.control
+        notes = control.notes(f"applied/{version}", ranks, timeout=self.grace_s)
+        control.drop_notes(f"applied/{version}", list(notes))
         problems = [f"rank {rank}: {notes[rank]}" if rank in notes else f"rank {rank} did not report its apply step "
                     f"within {self.grace_s:g} s" for rank in ranks if notes.get(rank, "missing") is not None]
         if problems:  # some workers hold the new version, others not: the engine must not serve
