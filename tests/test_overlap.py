@@ -207,3 +207,23 @@ def _staging_bound(job, job_rank, rank, world, store_addr):
 
 def test_staging_over_its_bound_is_refused_at_connect_on_every_rank():
     launch(_staging_bound, [1, 1])
+
+
+@pytest.mark.parametrize("notes, moved", [({1: False, 2: False}, False), ({1: False, 2: True}, True),
+                                          ({1: False}, True)], ids=["none wrote", "one wrote", "one silent"])
+def test_a_failed_refit_moved_bytes_only_if_a_destination_says_it_wrote(notes, moved):
+    """A source rank that got past the agreement alone (the others gave up there) moved no destination
+    byte: ``moved`` follows the destinations' own notes; one that posts none counts as written."""
+    from types import SimpleNamespace
+
+    from reshard.options import RefitOptions
+
+    asked = []
+    control = SimpleNamespace(notes=lambda key, ranks, timeout: (asked.append((key, list(ranks))),
+                                                                   {r: notes[r] for r in ranks if r in notes})[1])
+    session = SimpleNamespace(options=RefitOptions(), group=SimpleNamespace(control=control),
+                              members={0: (None, "ready", False), 1: (None, "ready", True), 2: (None, "ready", True)})
+    touched = SimpleNamespace(touched=True)
+    assert RefitSession._moved(session, touched, 7) is moved
+    assert asked == [("written/7", [1, 2])]
+    assert RefitSession._moved(session, SimpleNamespace(touched=False), 7) is False  # never got past agreement
