@@ -23,7 +23,7 @@ from reshard.apps.fault_scenarios import Outcome, Scenario, family_figures, miss
 from reshard.apps.fault_suite import Driver
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
-T = 5.0
+T = 20.0  # every session wait: the raises and the kill are heard at once, the margin is for a loaded machine
 
 
 def scenario(i, fault, rank, overlap, checksum=False):

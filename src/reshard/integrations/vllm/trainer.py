@@ -255,7 +255,7 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
                             pause_started, index)
                   for index, (client, pause) in enumerate(zip(engines, paused))]
         try:
-            self.last_stats = self.session.refit(version, source_tensors=copies)
+            self.last_stats = self._refit(version, copies)
         except Exception as error:
             if self.is_sender:
                 self._after_failure(error, version, engines, rounds, paused)
@@ -263,6 +263,12 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
         if self.is_sender:
             self._after_commit(version, mode, engines, rounds, paused, pause_started)
         return self.last_stats
+
+    def _refit(self, version: str, copies: dict | None) -> RefitStats:
+        """This rank's side of the refit, from ``copies`` of its shards where a snapshot was taken."""
+        if copies is None:
+            return self.session.refit(version)
+        return self.session.refit(version, source_tensors=copies)
 
     @staticmethod
     def _engine_round(client, mode: str | None, version: str, method: str, pause_started: list, index: int) -> None:
@@ -286,7 +292,7 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
         for future in receives:  # they return at once; a dead engine's ranks fail the refit below, named
             outcome(future, max(0.0, deadline - time.monotonic()))
         try:
-            self.last_stats = self.session.refit(version, source_tensors=copies)
+            self.last_stats = self._refit(version, copies)
         except Exception as error:
             if self.is_sender:
                 self._after_staged_failure(error, version, engines, receives, paused)
