@@ -69,6 +69,12 @@ def _before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
             handle.guard_wait_s += time.perf_counter() - start
 
 
+def copies_of(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
+    """Copies of ``tensors`` for a refit that must not read the live ones, and the bytes they hold."""
+    copies = {name: tensor.detach().clone() for name, tensor in tensors.items()}
+    return copies, sum(t.numel() * t.element_size() for t in copies.values())
+
+
 def sources_sent() -> None:
     """Called by a refit once this rank's sources were read for the last time (every byte left): from
     then on the optimizer steps of the handle running on this thread, if any, need not wait."""
@@ -90,7 +96,6 @@ class RefitHandle(Generic[Result]):
         self.guard_waits = 0  # how many optimizer steps waited for this refit
         self.guard_wait_s = 0.0  # how long they waited, in all
         self._sent = threading.Event()  # set once the sources are free (sent, or the refit ended)
-        self.started_at = time.perf_counter()
         self.finished_at: float | None = None  # time.perf_counter() when the refit ended (None: running)
         self._future: Future = Future()
         if self.storages:
@@ -149,4 +154,4 @@ class RefitHandle(Generic[Result]):
         return self._future.exception() if self.done() else None
 
 
-__all__ = ["RefitHandle", "sources_sent"]
+__all__ = ["RefitHandle", "copies_of", "sources_sent"]

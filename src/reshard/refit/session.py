@@ -57,7 +57,7 @@ from ..layout import Layout
 from ..options import DEFAULT_BUCKET_BYTES, STAGED, RefitOptions
 from ..planning.methods import AUTO
 from ..tensors import LayoutError
-from .background import RefitHandle, sources_sent
+from .background import RefitHandle, copies_of, sources_sent
 from .elastic import MembershipChanges
 from .exchange import check_ranks, detect_domains, layout_part, member_name, merged_layout
 from .sides import Side, WriteReport
@@ -222,8 +222,7 @@ class RefitSession(MembershipChanges):
         sources = [] if snapshot else list(src.values())
         snapshot_bytes = 0
         if snapshot:
-            src = {name: tensor.detach().clone() for name, tensor in src.items()}
-            snapshot_bytes = sum(t.numel() * t.element_size() for t in src.values())
+            src, snapshot_bytes = copies_of(src)
         return RefitHandle(lambda: self._refit(version, src, apply=True), sources=sources,
                            snapshot_bytes=snapshot_bytes)
 

@@ -168,7 +168,6 @@ class VLLMModelSide(Side):
 
     def end_write(self) -> WriteReport:
         staged = sum(tensor.numel() * tensor.element_size() for tensor in self._staging.values())
-        staged += sum(_tensor_bytes(shadow) for shadow in self._prepared.values())
         modules = dict(self.model.named_modules())
         for mod_name, shadow in self._prepared.items():
             _install(modules[mod_name], shadow)
@@ -278,11 +277,6 @@ def _install(layer: torch.nn.Module, shadow: torch.nn.Module) -> None:
 
 
 _MISSING = object()
-
-
-def _tensor_bytes(module: torch.nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in [*module._parameters.values(), *module._buffers.values()]
-               if t is not None)
 
 
 __all__ = ["VLLMModelSide", "redo_cpu_moe_packing"]

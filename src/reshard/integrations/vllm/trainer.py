@@ -126,7 +126,7 @@ import torch
 from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine, VLLMWeightSyncClient, WeightSource
 
 from ...options import STAGED
-from ...refit.background import RefitHandle
+from ...refit.background import RefitHandle, copies_of
 from ...refit.session import RefitSession, RefitStats
 from .clients import AsyncLLMClient, EngineGroup, HTTPClient, OfflineClient, PrefixCacheResetError, as_client
 from .init_info import ReshardTrainerInitInfo, check_pause_mode
@@ -239,9 +239,9 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
         if not snapshot:
             return RefitHandle(lambda: self._send(version, mode), sources=list(sources.values()),
                                name=f"reshard-send-{version}")
-        copies = {name: tensor.detach().clone() for name, tensor in sources.items()}
+        copies, snapshot_bytes = copies_of(sources)
         return RefitHandle(lambda: self._send(version, mode, copies), name=f"reshard-send-{version}",
-                           snapshot_bytes=sum(t.numel() * t.element_size() for t in copies.values()))
+                           snapshot_bytes=snapshot_bytes)
 
     def _send(self, version: str, mode: str | None, copies: dict | None = None) -> RefitStats:
         engines = self._engines() if self.is_sender else []
