@@ -65,7 +65,6 @@ class PolicyTrainer:
         self.client = None
         self.staged = False  # the session methods receive staged and send with wait=False
         self.pending = None  # the refit in flight, (method, RefitHandle), between refit_start and refit_wait
-        self._stepping: list[float] = [0.0, 0.0]  # optimizer.step() called, its own pre-hook reached
 
     def setup(self, store_addr: str) -> None:
         """Join the trainer group and build the FSDP2 model and its optimizer."""
@@ -84,8 +83,6 @@ class PolicyTrainer:
         fully_shard(model)
         self.model = model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=self.lr, weight_decay=0.0)
-        # global pre-hooks (reshard's guard) run before an optimizer's own: this one notes when they are done
-        self.optimizer.register_step_pre_hook(lambda *_: self._stepping.__setitem__(1, time.monotonic()))
         self.dist = dist
 
     def free_port(self) -> int:
@@ -112,9 +109,10 @@ class PolicyTrainer:
         loss = policy_loss(logp, old, batch["advantage"], mask, num_tokens) * self.world
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-        self._stepping[0] = time.monotonic()
-        self.optimizer.step()
-        guard_s = self._stepping[1] - self._stepping[0]
+        handle = self.pending[1] if self.pending is not None else None
+        waited = handle.guard_wait_s if handle is not None else 0.0
+        self.optimizer.step()  # with a refit in flight, reshard's guard holds it until the shards were sent
+        guard_s = handle.guard_wait_s - waited if handle is not None else 0.0
         self.optimizer.zero_grad(set_to_none=True)
         gap = 0.0
         if samples and samples[0].sampler_logprobs is not None:
