@@ -13,6 +13,7 @@ other side is sharded.
                                         plain tensors as whole replicas; transformers 5's fused experts
                                         split back into checkpoint names
     Side.from_megatron(model, arch)     a Megatron-Core model: its parallel state and local parameters
+    (DeepSpeed ZeRO-3 models: reshard.integrations.deepspeed.zero3_side)
     (vLLM engines: reshard.integrations.vllm)
 
 A destination side may stage some buffers and post-process them after the bytes arrived
@@ -86,6 +87,10 @@ class Side:
         Plain tensors are whole replicas on every rank that holds them. ``names`` keeps only these
         logical tensors (checkpoint names).
         """
+        if any(hasattr(p, "ds_tensor") for p in module.parameters()):
+            raise LayoutError(f"rank {rank}: the {type(module).__name__} is a DeepSpeed ZeRO-3 model (its parameters "
+                              f"are partitioned into ds_tensor): read it with "
+                              f"reshard.integrations.deepspeed.zero3_side(model, rank), or pass ReshardSource(model)")
         pieces, specs, shapes, tensors = module_pieces(module, rank, rank_of=rank_of)
         if names is not None:
             keep = set(names)

@@ -13,6 +13,7 @@ import torch
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
 from ...refit.sides import Side
+from ..deepspeed import is_zero3_model, zero3_side
 
 
 class ReshardSource(WeightSource):
@@ -23,6 +24,10 @@ class ReshardSource(WeightSource):
     fused experts by checkpoint names); ``ReshardSource(side)`` takes an explicit
     :class:`~reshard.refit.sides.Side` (a Megatron-Core layout, say). ``rank_of`` maps the ranks of
     the module's device meshes to refit ranks (default: the same numbers).
+
+    A DeepSpeed ZeRO-3 model (a ``DeepSpeedEngine`` or its ``module``: parameters with ``ds_tensor``)
+    is read by :func:`~reshard.integrations.deepspeed.zero3_side`: each rank sends from its own
+    partitions; ``rank_of`` then maps default-group ranks to refit ranks.
     """
 
     def __init__(self, module_or_side: torch.nn.Module | Side, *, rank_of: Mapping[int, int] | None = None) -> None:
@@ -35,12 +40,24 @@ class ReshardSource(WeightSource):
         if self._side is None or self._side.rank != rank:
             if isinstance(self._what, Side):
                 raise ValueError(f"the source side was built for rank {self._what.rank}, not {rank}")
-            self._side = Side.from_module(self._what, rank, rank_of=self._rank_of)
+            if is_zero3_model(self._what):
+                self._side = zero3_side(self._what, rank, rank_of=self._rank_of)
+            else:
+                self._side = Side.from_module(self._what, rank, rank_of=self._rank_of)
         return self._side
 
     def metadata(self) -> list[ParamMeta]:
-        side = self._side if self._side is not None else self.side(0 if not isinstance(self._what, Side)
-                                                                    else self._what.rank)
+        if self._side is not None:
+            side = self._side
+        elif isinstance(self._what, Side):
+            side = self.side(self._what.rank)
+        elif is_zero3_model(self._what):  # its own partitions: this process's rank (every rank names every tensor)
+            import torch.distributed as dist
+
+            me = dist.get_rank() if dist.is_initialized() else 0
+            side = self.side(int(self._rank_of[me]) if self._rank_of is not None else me)
+        else:
+            side = self.side(0)
         return [ParamMeta(spec.name, spec.dtype, spec.shape) for spec in side.layout.specs.values()]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
