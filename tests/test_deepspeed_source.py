@@ -279,3 +279,91 @@ def test_unsupported_configurations_are_refused_naming_the_option():
     from launch import launch
 
     launch(_check_refusals, [2])
+
+
+# ------------------------------------------------------------------ a ZeRO-3 trainer refits a real vLLM engine
+def _refit_vllm(job, job_rank, rank, world, store_addr, ckpt, out_dir):
+    _deepspeed_env(job_rank, 2)
+    import deepspeed
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    from reshard.execution.process_group import free_port
+    from reshard.integrations.vllm import ReshardSource, ReshardTrainerInitInfo
+    from reshard.options import RefitOptions
+    from vllm_helpers import close_engine, engine_tensors, start_engine
+
+    engine = zero3_model("dense", ds_config())
+    llm, port = None, [0]
+    try:
+        if job_rank == 0:
+            llm = start_engine(ckpt)
+            port = [free_port()]
+        dist.broadcast_object_list(port, src=0)
+        info = ReshardTrainerInitInfo(rank=job_rank, master_address="127.0.0.1", master_port=port[0],
+                                      num_trainer_ranks=2, world_size=3,
+                                      options=RefitOptions(timeout=120, max_bucket_bytes=1 << 20))
+        sync = WeightTransferTrainerFactory.trainer_init(info, client=llm, source=ReshardSource(engine))
+        sent = []
+        for step in range(2):
+            train_step(engine, 10 + step)
+            stats = sync.send_weights(weight_version=f"zero3-{step}")
+            sent.append(stats.sent_bytes)
+            if job_rank == 0:
+                assert llm.get_weight_version() == f"zero3-{step}"
+        sync.shutdown()
+        state = {}
+        for name, p in engine.module.named_parameters():
+            with deepspeed.zero.GatheredParameters([p]):
+                state[name] = p.data.detach().clone()
+        every = [None, None]
+        dist.all_gather_object(every, sent)
+        if job_rank == 0:
+            model_bytes = sum(t.numel() * 2 for t in state.values())  # the engine's bf16 weights
+            for per_rank in zip(*every):  # each rank sent its own half, together the model, once
+                assert all(0 < s < model_bytes for s in per_rank) and abs(sum(per_rank) - model_bytes) <= 64, \
+                    (per_rank, model_bytes)
+            torch.save({"state": state, "got": llm.collective_rpc(engine_tensors)}, f"{out_dir}/zero3.pt")
+    finally:
+        if llm is not None:
+            close_engine(llm)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_zero3_trainer_refits_a_vllm_engine_bit_exact(tmp_path):
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("vllm")
+    from launch import launch
+    from vllm_helpers import close_engine, differences, engine_tensors, reap_engine_processes, save_checkpoint
+    from vllm_helpers import start_engine, use_cpu_engines
+
+    use_cpu_engines(HERE)
+    ckpt = str(tmp_path / "ckpt")
+    save_checkpoint(ckpt, "dense", seed=3, dtype=torch.float32)
+    with reap_engine_processes():
+        launch(_refit_vllm, [2], ckpt, str(tmp_path))
+        out = torch.load(str(tmp_path / "zero3.pt"))
+        save_checkpoint(str(tmp_path / "fresh"), "dense", state=out["state"])
+        fresh = start_engine(str(tmp_path / "fresh"))
+        try:
+            want = fresh.collective_rpc(engine_tensors)
+        finally:
+            close_engine(fresh)
+    assert len(out["got"]) == len(want) == 1
+    bad = differences(out["got"][0], want[0])
+    assert not bad, bad[:8]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_example_deepspeed_refit_runs():
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("vllm")
+    from vllm_helpers import reap_engine_processes
+
+    with reap_engine_processes():
+        done = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "deepspeed_refit.py"), "--steps", "2"],
+                              capture_output=True, text=True, timeout=420, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("step ")]
+    assert len(lines) == 2 and "engine at step-1" in lines[-1], done.stdout[-2000:]
