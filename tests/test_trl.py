@@ -106,11 +106,42 @@ def _fsdp2_on_cpu(trainer) -> None:
     trainer.is_fsdp_enabled = True
 
 
+ZERO3 = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+         "bf16": {"enabled": False}}
+
+
+def _zero3_on_cpu() -> dict:
+    """The GRPOConfig arguments of a ZeRO-3 run on this CPU: transformers starts accelerate's DeepSpeed state
+    without a backend when there is no GPU (it then counts one process while DeepSpeed runs two), so the
+    state is made here with gloo and the trainer told to use it."""
+    from accelerate.state import PartialState
+
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    try:
+        PartialState(backend="gloo")
+    finally:
+        del os.environ["ACCELERATE_USE_DEEPSPEED"]
+    return {"use_cpu": False, "deepspeed": ZERO3, "ddp_backend": "gloo",
+            "accelerator_config": {"use_configured_state": True}}
+
+
+def _gathered(model) -> dict:
+    """The trainer's full weights (FSDP2 ``full_tensor``, ZeRO-3 ``GatheredParameters``; collective)."""
+    params = dict(model.named_parameters())
+    if any(hasattr(p, "ds_tensor") for p in params.values()):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(params.values())):
+            return {n: p.detach().clone() for n, p in params.items()}
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in params.items()}
+
+
 def grpo_config(mode: str, out: str, *, url: str | None = None, port: int, steps: int, **overrides):
     """The GRPO config the tests and the example run: a few tiny steps on CPU through vLLM."""
     from trl import GRPOConfig
 
-    return GRPOConfig(output_dir=out, use_cpu=True, bf16=False, per_device_train_batch_size=2, num_generations=2,
+    overrides = {"use_cpu": True, **overrides}
+    return GRPOConfig(output_dir=out, bf16=False, per_device_train_batch_size=2, num_generations=2,
                       max_completion_length=8, max_steps=steps, learning_rate=5e-2, logging_steps=1, report_to=[],
                       save_strategy="no", dataloader_num_workers=0, seed=0, use_vllm=True, vllm_mode=mode,
                       vllm_server_base_url=url, vllm_group_port=port, vllm_max_model_length=256,
@@ -138,7 +169,9 @@ def _worker(spec: dict) -> None:
     rank = int(os.environ["RANK"])
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(rank % (os.cpu_count() or 1))
     torch.manual_seed(0)
-    config = grpo_config(spec["mode"], spec["out"], url=spec.get("url"), port=spec["port"], steps=spec["steps"])
+    extra = _zero3_on_cpu() if spec.get("zero3") else {}
+    config = grpo_config(spec["mode"], spec["out"], url=spec.get("url"), port=spec["port"], steps=spec["steps"],
+                         **extra)
     trainer = ReshardGRPOTrainer(model=spec["ckpt"], reward_funcs=reward_length, args=config,
                                  train_dataset=prompts(), refit_options=RefitOptions(timeout=120),
                                  master_address="127.0.0.1")
@@ -151,9 +184,8 @@ def _worker(spec: dict) -> None:
     def sync_and_record() -> None:
         refit()
         model = trainer.accelerator.unwrap_model(trainer.model)
-        full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-                for n, p in model.named_parameters()}
-        kinds = sorted({type(p).__name__ for p in model.parameters()})
+        full = _gathered(model)
+        kinds = sorted({"ds_tensor" if hasattr(p, "ds_tensor") else type(p).__name__ for p in model.parameters()})
         if spec["mode"] == "colocate":
             digests = [computed_digest(generation.llm.llm_engine.model_executor.driver_worker)]
         elif rank == 0:
@@ -225,6 +257,7 @@ def check_run(results: list[dict], fresh: dict, tmp, ckpt: str, tp: int, dtype: 
     losses = [e["loss"] for e in main["log"] if "loss" in e]
     rewards = [e["reward"] for e in main["log"] if "reward" in e]
     assert losses and rewards and all(math.isfinite(float(v)) for v in losses + rewards), main["log"]
+    assert main["records"][-1]["digests"] != main["records"][0]["digests"]  # training moved the weights
     for record in main["records"]:
         version = record["version"]
         if version == "0":  # the trainer's weights at step 0 are the checkpoint's
@@ -317,6 +350,18 @@ def test_grpo_server_mode_fsdp2(tiny, server, tmp_path):
                             "fsdp2": True}, tmp_path)
     check_run(results, tiny["fresh"], tmp_path, tiny["ckpt"], 2, "bfloat16", "DTensor")
     # each rank sent its own shards (FSDP2: about half the model each), none gathered to rank 0
+    sent = [r["syncs"][-1]["sent_bytes"] for r in results]
+    assert all(s > 0 for s in sent) and max(sent) < 0.75 * sum(sent), sent
+    assert _version(server) == results[0]["records"][-1]["version"]
+
+
+def test_grpo_server_mode_zero3(tiny, server, tmp_path):
+    from reshard.execution.process_group import free_port
+
+    results = run_trainers({"mode": "server", "ckpt": tiny["ckpt"], "url": server, "port": free_port(), "steps": 2,
+                            "zero3": True}, tmp_path)
+    check_run(results, tiny["fresh"], tmp_path, tiny["ckpt"], 2, "bfloat16", "ds_tensor")
+    # each rank sent its own ZeRO-3 partitions (half of every tensor), none gathered to rank 0
     sent = [r["syncs"][-1]["sent_bytes"] for r in results]
     assert all(s > 0 for s in sent) and max(sent) < 0.75 * sum(sent), sent
     assert _version(server) == results[0]["records"][-1]["version"]
