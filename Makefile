@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 CORE   := $(VENV)/.installed-core
 TEST   := $(VENV)/.installed-test
 
-.PHONY: demo test bench bench-scale bench-cost bench-vllm bench-soak bench-faults bench-checksum bench-fp8 rl-demo rl-demo-async example-vllm clean
+.PHONY: demo test bench bench-scale bench-cost bench-vllm bench-soak bench-faults bench-checksum bench-fp8 rl-demo rl-demo-async example-vllm bench-deepspeed clean
 
 $(CORE): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -72,3 +72,7 @@ bench-vllm: $(TEST)
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .hypothesis
+
+# a vLLM engine refitted from a 2-rank DeepSpeed ZeRO-3 trainer: reshard vs gather-and-broadcast (TRL's way)
+bench-deepspeed: $(TEST)
+	$(PY) benchmarks/bench_deepspeed.py

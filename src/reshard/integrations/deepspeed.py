@@ -165,4 +165,24 @@ def zero3_side(module_or_engine, rank: int, *, rank_of: Mapping[int, int] | None
     return side
 
 
-__all__ = ["Zero3Side", "is_deepspeed_engine", "is_zero3_model", "zero3_side"]
+def gathered_tensors(module_or_engine):
+    """``(checkpoint name, full tensor)`` of every parameter of a ZeRO-3 model, one parameter at a time
+    under ``deepspeed.zero.GatheredParameters`` (a collective: every rank of the partition group
+    iterates, in the same order; each full tensor is a copy, so at most one gathered parameter
+    is alive at once beyond what the caller keeps). The gather-and-broadcast baseline's source
+    (what TRL does before it broadcasts); fused experts split into checkpoint names."""
+    import deepspeed
+
+    module = module_or_engine.module if is_deepspeed_engine(module_or_engine) else module_or_engine
+    for name, t in named_tensors(module):
+        if hasattr(t, "ds_tensor"):
+            with deepspeed.zero.GatheredParameters([t]):
+                full = t.data.detach().clone()
+        else:
+            full = t.detach()
+        for spec, seg in parameter_segments(name, tuple(full.shape), full.dtype):
+            box = full[seg.lead] if seg.lead else full
+            yield spec.name, box[tuple(slice(o, o + n) for o, n in zip(seg.offsets, spec.shape))]
+
+
+__all__ = ["Zero3Side", "gathered_tensors", "is_deepspeed_engine", "is_zero3_model", "zero3_side"]

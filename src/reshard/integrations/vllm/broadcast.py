@@ -87,7 +87,13 @@ class BroadcastTrainerInitInfo(TrainerInitInfo):
 def full_checkpoint_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """``(checkpoint name, full tensor)`` of every parameter and persistent buffer, gathering DTensors
     (a collective: every rank of the module's group iterates, in the same order) and splitting
-    transformers 5's fused experts back into checkpoint tensors."""
+    transformers 5's fused experts back into checkpoint tensors. A DeepSpeed ZeRO-3 model (or engine) is
+    gathered one parameter at a time (``GatheredParameters``, TRL's way)."""
+    from ..deepspeed import gathered_tensors, is_zero3_model
+
+    if is_zero3_model(module):
+        yield from gathered_tensors(module)
+        return
     for name, tensor in named_tensors(module):
         full = (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach()
         for spec, segment in parameter_segments(name, tuple(full.shape), full.dtype):
