@@ -62,9 +62,10 @@ class SyncRecord:
 
     step: int  # TRL's global_step the weights are from
     version: str
-    seconds: float
+    seconds: float  # the sync_weights call (rank 0: pausing, the refit, version, prefix-cache reset, resume)
     sent_bytes: int
     recv_bytes: int
+    refit_s: float = 0.0  # the refit itself, as its session timed it on this rank
 
 
 @dataclass
@@ -201,7 +202,9 @@ class _ReshardGeneration:
             if self.llm.reset_prefix_cache() is False:
                 raise RuntimeError(f"the colocated engine's prefix cache could not be reset after refit {version!r}")
         self.weight_version = version
-        self.syncs.append(SyncRecord(step, version, time.perf_counter() - t0, stats.sent_bytes, stats.recv_bytes))
+        figures = stats if isinstance(stats, dict) else vars(stats)  # a trainer engine's stats, or its dict
+        self.syncs.append(SyncRecord(step, version, time.perf_counter() - t0, figures.get("sent_bytes", 0),
+                                     figures.get("recv_bytes", 0), figures.get("seconds", 0.0)))
 
     def engine_version(self) -> str | None:
         """The engine's weight version (server mode: on the main process only, else None)."""
