@@ -158,8 +158,6 @@ def rank_run(spec: dict) -> None:
     trainer.close_refit()
     peaks = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, [s["peak_mb"] for s in steps])
-    if os.environ.get("BENCH_TRL_DEBUG"):
-        print("DEBUG", rank, [(round(s.seconds, 3), round(s.refit_s, 3)) for s in trainer.syncs], flush=True)
     if rank == 0:
         rows = [{"step": i + 1, "sync_s": sync.seconds, "step_s": s["step_s"], "recv_mib": [float(b) / 2**20 for b in recv],
                  "peak_mb": max(p[i] for p in peaks), "sent_bytes": sync.sent_bytes}

