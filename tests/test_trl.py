@@ -254,6 +254,8 @@ def check_run(results: list[dict], fresh: dict, tmp, ckpt: str, tp: int, dtype: 
             assert rollout["expected"] == str(rollout["step"])
             if rollout["before"] is not None:
                 assert rollout["before"] == rollout["after"] == rollout["expected"], rollout
+            if rollout["labels"] is not None:  # colocate: vLLM's labels on the tokens themselves
+                assert rollout["labels"] == [rollout["expected"]], rollout
         assert all(s["sent_bytes"] > 0 for s in result["syncs"]), result["syncs"]
     assert main["rollouts"] and all(r["before"] is not None for r in main["rollouts"])
     losses = [e["loss"] for e in main["log"] if "loss" in e]

@@ -27,9 +27,10 @@ crossing), so nothing else in TRL changes and generation still goes through TRL'
 
 Versions: the refit at ``global_step`` k is version ``str(k)``: the server records it at
 ``finish_weight_update`` (``/weight_info``), the colocated engine through ``update_weight_version``.
-Before and after each rollout the generation object reads the engine's version and raises if it is
-not the one it last refitted (:attr:`ReshardVLLMGeneration.rollouts` keeps them), so the rollouts
-of step k+1 come from step k's weights. Each refit resets the prefix cache.
+Before and after each rollout the generation object reads the engine's version (and, colocated, the
+version vLLM labelled each output's tokens with) and raises if it is not the one it last refitted
+(:attr:`ReshardVLLMGeneration.rollouts` keeps them), so the rollouts of step k+1 come from step
+k's weights. Each refit resets the prefix cache.
 
 Not covered, refused at construction with an error naming the option: PEFT/LoRA models
 (``peft_config`` or a ``PeftModel``), ``vllm_enable_sleep_mode``, ``use_vllm=False``. TRL's async
@@ -77,6 +78,7 @@ class RolloutRecord:
     expected: str | None
     before: str | None
     after: str | None
+    labels: list[str] | None = None  # colocate: the versions vLLM labelled the outputs' tokens with
 
 
 class _ReshardGeneration:
@@ -219,13 +221,29 @@ class _ReshardGeneration:
         """TRL's generation, between two reads of the engine's version: both must be the version of the
         last refit (a ``RuntimeError`` otherwise)."""
         step = self.trainer.state.global_step if self.trainer is not None else -1
+        labels = set() if self.mode == "colocate" else None
+        if labels is not None:  # read the labels vLLM puts on each output's tokens (CompletionOutput.weight_versions)
+            generate = self.llm.generate
+
+            def labelled(*a, **k):
+                outputs = generate(*a, **k)
+                labels.update(span.version for output in outputs for completion in output.outputs
+                              for span in (getattr(completion, "weight_versions", None) or ()))
+                return outputs
+
+            self.llm.generate = labelled
         before = self.engine_version()
-        out = super().generate(*args, **kwargs)
+        try:
+            out = super().generate(*args, **kwargs)
+        finally:
+            if labels is not None:
+                del self.llm.generate
         after = self.engine_version()
-        self.rollouts.append(RolloutRecord(step, self.weight_version, before, after))
-        if before is not None and not before == after == self.weight_version:
-            raise RuntimeError(f"rollouts at step {step} ran on weight versions {before!r}..{after!r}, "
-                               f"not on the last refit's {self.weight_version!r}")
+        self.rollouts.append(RolloutRecord(step, self.weight_version, before, after,
+                                           None if labels is None else sorted(labels)))
+        if before is not None and not before == after == self.weight_version or labels and labels != {after}:
+            raise RuntimeError(f"rollouts at step {step} ran on weight versions {before!r}..{after!r} (tokens "
+                               f"labelled {sorted(labels or [])}), not on the last refit's {self.weight_version!r}")
         return out
 
     def close(self) -> None:
