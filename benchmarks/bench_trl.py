@@ -159,7 +159,8 @@ def rank_run(spec: dict) -> None:
     peaks = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, [s["peak_mb"] for s in steps])
     if rank == 0:
-        rows = [{"step": i + 1, "sync_s": sync.seconds, "step_s": s["step_s"], "recv_mib": [float(b) / 2**20 for b in recv],
+        rows = [{"step": i + 1, "sync_s": sync.seconds, "step_s": s["step_s"],
+                 "recv_mib": [float(b) / 2**20 for b in recv],
                  "peak_mb": max(p[i] for p in peaks), "sent_bytes": sync.sent_bytes}
                 for i, (s, sync, recv) in enumerate(zip(steps, trainer.syncs, received))]
         losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]

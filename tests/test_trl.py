@@ -320,8 +320,8 @@ def server(tiny):
                 assert time.monotonic() < deadline, f"vllm serve was not healthy within {SERVER_TIMEOUT} s"
                 time.sleep(1)
             # the server as it started is a fresh engine of the checkpoint: step 0's reference
-            tiny["fresh"][f"{tiny['ckpt']}|2|bfloat16"] = requests.post(f"{url}/collective_rpc", json={"method": "trl_digest"},
-                                                        timeout=120).json()["results"]
+            reply = requests.post(f"{url}/collective_rpc", json={"method": "trl_digest"}, timeout=120)
+            tiny["fresh"][f"{tiny['ckpt']}|2|bfloat16"] = reply.json()["results"]
             yield url
         finally:
             proc.terminate()
