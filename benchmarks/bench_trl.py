@@ -2,14 +2,15 @@
 
 Run from the repository root (``make bench-trl`` does)::
 
-    python benchmarks/bench_trl.py [--steps 4] [--hidden 768] [--layers 6] [--intermediate 2048]
+    python benchmarks/bench_trl.py [--steps 5] [--trainer fsdp2|zero3] [--hidden 768] [--layers 6]
 
 One ``vllm serve`` (TP=2, bf16, ``--weight-transfer-config '{"backend": "reshard"}'``) serves a
 random Qwen3-shaped model of tens of millions of parameters. The same GRPO run (2 trainer
-processes, FSDP2 through accelerate, fp32, ``ReshardGRPOTrainer`` in server mode, generation
+processes, FSDP2 or DeepSpeed ZeRO-3 through accelerate, fp32, ``ReshardGRPOTrainer`` in server mode, generation
 through TRL's VLLMClient) is made twice into that server, from the same checkpoint and seed:
 
-* ``reshard``: TRL's sync is reshard's refit: every trainer rank sends its own FSDP2 shards, each
+* ``reshard``: TRL's sync is reshard's refit: every trainer rank sends its own shards (FSDP2
+  DTensor shards, or ZeRO-3 ``ds_tensor`` chunks), each
   vLLM worker receives only its TP shards (in place, or through vLLM's layerwise reload);
 * ``gather-broadcast``: the path TRL takes (vLLM's ``nccl`` backend: every trainer rank gathers each
   full tensor, rank 0 broadcasts buckets of 1 GiB in bf16 to every worker, which loads them with
@@ -66,7 +67,8 @@ def _env(**extra) -> dict:
 def _config(out: str, url: str, port: int, steps: int, **extra):
     from trl import GRPOConfig
 
-    return GRPOConfig(output_dir=out, use_cpu=True, bf16=False, per_device_train_batch_size=2, num_generations=2,
+    extra = {"use_cpu": True, **extra}
+    return GRPOConfig(output_dir=out, bf16=False, per_device_train_batch_size=2, num_generations=2,
                       max_completion_length=16, max_steps=steps, learning_rate=1e-3, logging_steps=1, report_to=[],
                       save_strategy="no", dataloader_num_workers=0, seed=0, use_vllm=True, vllm_mode="server",
                       vllm_server_base_url=url, vllm_group_port=port, vllm_max_model_length=256, **extra)
@@ -95,6 +97,24 @@ def _fsdp2_on_cpu(trainer) -> None:
     trainer.is_fsdp_enabled = True
 
 
+ZERO3 = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+         "bf16": {"enabled": False}}
+
+
+def _zero3_on_cpu() -> dict:
+    """GRPOConfig arguments of a ZeRO-3 run on a CPU: transformers starts accelerate's DeepSpeed state without a
+    backend when there is no GPU (it then counts one process while DeepSpeed runs two), so make it with gloo."""
+    from accelerate.state import PartialState
+
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    try:
+        PartialState(backend="gloo")
+    finally:
+        del os.environ["ACCELERATE_USE_DEEPSPEED"]
+    return {"use_cpu": False, "deepspeed": ZERO3, "ddp_backend": "gloo",
+            "accelerator_config": {"use_configured_state": True}}
+
+
 def trl_own_sync(url: str, ckpt: str, port: int) -> None:
     """TRL's own GRPOTrainer in server mode, one process: print how its sync fails on this machine."""
     from trl import GRPOTrainer
@@ -119,10 +139,13 @@ def rank_run(spec: dict) -> None:
     from reshard.options import RefitOptions
 
     rank = int(os.environ["RANK"])
+    zero3 = spec["trainer"] == "zero3"
     trainer = ReshardGRPOTrainer(model=spec["ckpt"], reward_funcs=_reward, train_dataset=_prompts(),
-                                 args=_config(spec["out"], spec["url"], spec["port"], spec["steps"]),
+                                 args=_config(spec["out"], spec["url"], spec["port"], spec["steps"],
+                                              **(_zero3_on_cpu() if zero3 else {})),
                                  refit_options=RefitOptions(timeout=300), master_address="127.0.0.1")
-    _fsdp2_on_cpu(trainer)
+    if not zero3:
+        _fsdp2_on_cpu(trainer)
     gen = trainer.vllm_generation
     if spec["method"] == "gather-broadcast":
         def connect_broadcast() -> None:  # the same server, through its gather-and-broadcast path
@@ -212,10 +235,12 @@ def main(argv: list[str] | None = None) -> None:
     from reshard.execution.process_group import free_port
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--intermediate", type=int, default=2048)
+    parser.add_argument("--trainer", choices=("fsdp2", "zero3"), default="fsdp2",
+                        help="how accelerate shards the trainer: FSDP2, or DeepSpeed ZeRO-3")
     parser.add_argument("--kv-heads", type=int, default=4, help="a multiple of 2 (the engine is TP=2)")
     opts = parser.parse_args(argv)
     print("$ python benchmarks/bench_trl.py " + " ".join(argv if argv is not None else sys.argv[1:]))
@@ -237,7 +262,8 @@ def main(argv: list[str] | None = None) -> None:
         params = sum(p.numel() for p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ckpt)).parameters())
     print(f"model: Qwen3-shaped, hidden {opts.hidden}, {opts.layers} layers, intermediate {opts.intermediate}: "
           f"{params / 1e6:.1f} M parameters ({params * 4 / 2**20:.0f} MiB fp32 on the trainer, "
-          f"{params * 2 / 2**20:.0f} MiB bf16 in the engine); 2 FSDP2 trainer ranks -> vllm serve TP=2")
+          f"{params * 2 / 2**20:.0f} MiB bf16 in the engine); 2 {opts.trainer.upper()} trainer ranks -> "
+          "vllm serve TP=2")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = _start_server(ckpt, port)
@@ -249,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"TRL's own sync (GRPOTrainer, server mode): {line.removeprefix('TRL-OWN ')}")
         for method in METHODS:
             result = os.path.join(work, f"{method}.json")
-            spec = {"method": method, "ckpt": ckpt, "url": url, "port": free_port(), "steps": opts.steps,
+            spec = {"method": method, "trainer": opts.trainer, "ckpt": ckpt, "url": url, "port": free_port(), "steps": opts.steps,
                     "out": os.path.join(work, method), "result": result}
             _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
                   __file__, "--rank-run", json.dumps(spec)], RUN_TIMEOUT)
