@@ -22,9 +22,10 @@ DOC_EXAMPLES = [(name, i, block) for name, blocks in DOC_BLOCKS.items() for i, b
 
 
 def test_readme_has_the_examples_this_test_runs():
-    assert len(BLOCKS) == 3, "update tests/test_readme.py when the README's examples change"
+    assert len(BLOCKS) == 4, "update tests/test_readme.py when the README's examples change"
     assert "rs.run_local(plan" in BLOCKS[0] and "rs.spawn(refit, 5)" in BLOCKS[1]
     assert "WeightTransferTrainerFactory.trainer_init(" in BLOCKS[2]
+    assert "ReshardGRPOTrainer(" in BLOCKS[3]
 
 
 def test_docs_have_the_examples_this_test_runs():
@@ -165,3 +166,12 @@ def test_vllm_snippet_is_the_example_that_runs():
     assert [(s, v) for s, _, v, _ in steps] == [("0", "step-0"), ("1", "step-1"), ("2", "step-2")], res.stdout
     assert all(float(mib) > 0 for _, mib, _, _ in steps)
     assert steps[-1][3] != before  # the engine generates with the trainer's new weights
+
+
+def test_trl_snippet_is_the_example_that_runs():
+    """The README's "Use with TRL" code is, line for line, code of ``examples/trl_grpo.py``, which
+    tests/test_trl.py runs (GRPO steps refitted through reshard)."""
+    example = README.parent / "examples" / "trl_grpo.py"
+    compile(BLOCKS[3], "README TRL", "exec")
+    source = set(_code_lines(example.read_text()))
+    assert [ln for ln in _code_lines(BLOCKS[3]) if ln not in source] == []
