@@ -66,6 +66,17 @@ class RLConfig:
     # tests of the async loop: the refit after step 1 stalls this long on the last trainer rank before any byte
     # moves (reshard's fault injection, stall@agreement), so the next optimizer step must wait for it (the guard)
     stall_refit_s: float = 0.0
+    # several engines, faults and membership changes (reshard.apps.rl.chaos_loop): the refit is reshard's
+    engines: int = 1
+    chaos: str | None = None  # a chaos spec (reshard.apps.rl.chaos), None: no fault
+    gen_timeout_s: float = 60.0  # one engine's share of a batch; past it the engine is fenced and replaced
+    refit_timeout_s: float = 30.0  # the chaos loop's refit session timeout (bounds each wait inside a refit)
+    max_refit_attempts: int = 3  # a failed refit is retried on a new session up to this many times in all
+
+    @property
+    def fleet(self) -> bool:
+        """Whether the chaos loop runs (several engines, or a chaos spec)."""
+        return self.engines > 1 or self.chaos is not None
 
     def __post_init__(self) -> None:
         if self.asynchronous and not self.refit:
@@ -82,6 +93,21 @@ class RLConfig:
             raise ValueError(f"hidden {self.hidden} must be a multiple of 8 (>= 8), layers {self.layers} >= 1")
         if (self.prompts * self.group) % self.trainers:
             raise ValueError(f"{self.prompts} x {self.group} completions do not split over {self.trainers} trainers")
+        if self.engines < 1:
+            raise ValueError(f"engines must be >= 1, got {self.engines}")
+        if self.fleet:
+            from .chaos import parse
+
+            if self.chaos is not None:
+                parse(self.chaos)  # a ChaosSpecError names a bad token now, before anything starts
+            if tuple(self.methods) != (RESHARD,) or not self.refit or self.verify or self.orchestrator != LOCAL:
+                raise ValueError("several engines or --chaos: the refit is reshard's (--methods reshard), local "
+                                 "actors, no --no-refit or --verify (the run checks every engine at its end)")
+            for name in ("gen_timeout_s", "refit_timeout_s"):
+                if not getattr(self, name) > 0:
+                    raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+            if self.max_refit_attempts < 1:
+                raise ValueError(f"max_refit_attempts must be >= 1, got {self.max_refit_attempts}")
 
 
 @dataclass
@@ -121,18 +147,20 @@ class RunResult:
     random_reward: float = 0.0
     run_id: str = ""  # in the environment of every process the run started (RESHARD_RL_RUN)
     reaped: list[int] = field(default_factory=list)  # processes the cleanup had to kill (none if all closed)
+    chaos: dict = field(default_factory=dict)  # the chaos loop's log: faults, engines, checks (chaos_loop)
 
     @classmethod
     def from_json(cls, data: dict) -> RunResult:
         """The inverse of :meth:`to_json` (reports from a saved run)."""
         config = RLConfig(**{**data["config"], "methods": tuple(data["config"]["methods"])})
         return cls(config, [StepRecord(**s) for s in data["steps"]], data["startup_s"], data["connect_s"],
-                   data["total_s"], data["random_reward"], data.get("run_id", ""), data.get("reaped", []))
+                   data["total_s"], data["random_reward"], data.get("run_id", ""), data.get("reaped", []),
+                   data.get("chaos", {}))
 
     def to_json(self) -> dict:
         return {"config": asdict(self.config), "steps": [asdict(s) for s in self.steps], "startup_s": self.startup_s,
                 "connect_s": self.connect_s, "total_s": self.total_s, "random_reward": self.random_reward,
-                "run_id": self.run_id, "reaped": self.reaped}
+                "run_id": self.run_id, "reaped": self.reaped, "chaos": self.chaos}
 
 
 class VersionError(AssertionError):
@@ -202,6 +230,8 @@ class Rig:
     engine: Any  # the rollout engine's actor handle
     trainers: Trainers
     ckpt: str
+    cluster: Any = None  # the orchestrator's Cluster (the chaos loop starts and fences engines through it)
+    extras: dict = field(default_factory=dict)  # what a steps function logs besides its records
 
 
 def run(cfg: RLConfig, *, on_step: Callable[[StepRecord], None] | None = None,
@@ -227,23 +257,29 @@ def run(cfg: RLConfig, *, on_step: Callable[[StepRecord], None] | None = None,
             tokenizer = AutoTokenizer.from_pretrained(path)
         task = WordPieceTask.from_tokenizer(tokenizer, toy_config("dense").vocab_size)
         result.random_reward = task.random_reward
-        status(f"starting {cfg.trainers} trainer ranks and a TP={cfg.tp} vLLM engine ({cfg.orchestrator})")
+        engines = f"{cfg.engines} TP={cfg.tp} vLLM engines" if cfg.engines > 1 else f"a TP={cfg.tp} vLLM engine"
+        status(f"starting {cfg.trainers} trainer ranks and {engines} ({cfg.orchestrator})")
         with cluster(cfg.orchestrator, path, trainers=cfg.trainers, tp=cfg.tp, lr=cfg.lr, seed=cfg.seed,
-                     timeout_s=cfg.timeout_s, log=log) as actors:
+                     timeout_s=cfg.timeout_s, log=log, engines=cfg.engines) as actors:
             result.startup_s = time.perf_counter() - started
             result.run_id = actors.run_id
             trainers, engine = Trainers(actors.trainers, cfg.timeout_s + 60), actors.engine
             methods = list(dict.fromkeys(cfg.methods))
             if cfg.verify:
                 methods += [m for m in (RESHARD, CHECKPOINT) if m not in methods]
-            to_connect = list(dict.fromkeys(methods)) if cfg.refit else []
+            to_connect = list(dict.fromkeys(methods)) if cfg.refit and not cfg.fleet else []
             if to_connect:
                 status(f"connecting the engine for {', '.join(to_connect)}")
                 result.connect_s = trainers.all("connect", to_connect, engine, actors.host, cfg.tp,
                                                 cfg.asynchronous)[0]
-            rig = Rig(cfg, task, tokenizer, engine, trainers, ckpt)
-            result.steps = (steps or _steps)(rig, on_step or (lambda _: None))
-            status("shutting down")
+            rig = Rig(cfg, task, tokenizer, engine, trainers, ckpt, actors)
+            if steps is None and cfg.fleet:
+                from .chaos_loop import run_steps as steps
+            try:
+                result.steps = (steps or _steps)(rig, on_step or (lambda _: None))
+            finally:
+                result.chaos = rig.extras
+                status("shutting down")
         result.reaped = actors.reaped
     result.total_s = time.perf_counter() - started
     return result

@@ -37,6 +37,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 LOCAL, RAY = "local", "ray"
 RUN_ENV = "RESHARD_RL_RUN"  # every process of a cluster has its run id here
+ENGINE_ENV = "RESHARD_RL_ENGINE"  # every process of one engine (its actor, EngineCore, workers) has its id here
 ORCHESTRATORS = (LOCAL, RAY)
 START_TIMEOUT_S = 300.0  # an actor's process must answer within this (a vLLM engine takes ~20 s here)
 
@@ -137,9 +138,12 @@ class LocalActor:
     def __init__(self, address, authkey: bytes, pid: int) -> None:
         self.address, self.authkey, self.pid = address, authkey, pid
         self.process = None  # the creator's handle on the process (not pickled)
+        self.engine_id: str | None = None  # an engine's RESHARD_RL_ENGINE id
+        self.alive = True  # False once its processes were killed on purpose
 
     def __getstate__(self) -> dict:
-        return {"address": self.address, "authkey": self.authkey, "pid": self.pid, "process": None}
+        return {"address": self.address, "authkey": self.authkey, "pid": self.pid, "process": None,
+                "engine_id": self.engine_id, "alive": self.alive}
 
     @classmethod
     def start(cls, target: str, *args, env: dict[str, str] | None = None, log: str | None = None,
@@ -230,18 +234,22 @@ class RayActor:
 
 @dataclass
 class Cluster:
-    """The loop's actors; ``host``: the trainer rank 0's address (the refit stores bind there)."""
+    """The loop's actors; ``host``: the trainer rank 0's address (the refit stores bind there);
+    ``engines``: every engine started, in order (``engine``: the first). With local actors,
+    ``start_engine()`` starts one more (the caller waits; it is closed with the cluster)."""
 
     trainers: list
     engine: Any
     host: str
     run_id: str = field(default_factory=lambda: secrets.token_hex(8))
     reaped: list[int] = field(default_factory=list)  # processes still running after the cleanup, killed
+    engines: list = field(default_factory=list)
+    start_engine: Callable[[], Any] | None = None
 
 
-def run_processes(run_id: str) -> set[int]:
-    """The processes of this machine whose environment carries ``run_id`` (this one excepted)."""
-    marker = f"{RUN_ENV}={run_id}".encode()
+def run_processes(run_id: str, key: str = RUN_ENV) -> set[int]:
+    """The processes of this machine whose environment carries ``key=run_id`` (this one excepted)."""
+    marker = f"{key}={run_id}".encode()
     out = set()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -268,42 +276,73 @@ def _reap(cluster: Cluster, grace_s: float = 10.0) -> None:
         cluster.reaped.append(pid)
 
 
-def _close_actors(cluster: Cluster, timeout_s: float) -> None:
-    """Every actor's ``close`` (trainers first: they close their connections to the engine)."""
-    for actor in [*cluster.trainers, cluster.engine]:
-        if actor is None:
-            continue
+def kill_engine_processes(engine_id: str) -> list[int]:
+    """SIGKILL every process of one engine (its actor, EngineCore and workers: they carry
+    ``RESHARD_RL_ENGINE=engine_id``); the pids killed."""
+    killed = []
+    for pid in run_processes(engine_id, ENGINE_ENV):
         try:
-            actor.call("close").result(timeout_s)
-        except Exception as e:  # noqa: BLE001 - the process is stopped, or reaped
-            logger.warning("closing an RL actor failed: %s", e)
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        except OSError:
+            continue
+    return killed
+
+
+def _close_actors(cluster: Cluster, timeout_s: float) -> None:
+    """Every actor's ``close`` (trainers first: they close their connections to the engine), all at once."""
+    engines = cluster.engines or [cluster.engine]
+    for group in (cluster.trainers, engines):
+        closing = [(a, a.call("close")) for a in group if a is not None and getattr(a, "alive", True)]
+        for actor, result in closing:
+            try:
+                result.result(timeout_s)
+            except Exception as e:  # noqa: BLE001 - the process is stopped, or reaped
+                logger.warning("closing an RL actor failed: %s", e)
 
 
 @contextmanager
 def local_cluster(path: str, *, trainers: int, tp: int, lr: float, seed: int, timeout_s: float,
-                  log: str | None = None) -> Iterator[Cluster]:
-    """Trainer ranks and the engine as local processes (engine and trainers start at once); ``log``: a
-    file for their output (default: this process's)."""
+                  log: str | None = None, engines: int = 1) -> Iterator[Cluster]:
+    """Trainer ranks and ``engines`` engines as local processes (all start at once); ``log``: a file
+    for their output (default: this process's). Each engine's processes carry their own
+    ``RESHARD_RL_ENGINE`` id (:func:`kill_engine_processes`)."""
     from ...execution.process_group import free_port
 
     actors: list[LocalActor] = []
     cluster = Cluster([], None, "127.0.0.1")
     env = {RUN_ENV: cluster.run_id}
+    lock = threading.Lock()
+
+    def start_engine() -> LocalActor:
+        engine_id = secrets.token_hex(6)
+        actor = LocalActor.start("reshard.apps.rl.rollout:RolloutEngine", path, tp, seed,
+                                 env={**env, ENGINE_ENV: engine_id}, log=log)
+        actor.engine_id = engine_id
+        with lock:
+            actors.append(actor)
+            cluster.engines.append(actor)
+        return actor
+
     try:
-        starting = [_thread_future(lambda: LocalActor.start("reshard.apps.rl.rollout:RolloutEngine", path, tp, seed,
-                                                           env=env, log=log))]
+        starting = [_thread_future(start_engine) for _ in range(engines)]
         starting += [_thread_future(lambda r=r: LocalActor.start("reshard.apps.rl.policy:PolicyTrainer", r, trainers,
                                                                  path, lr, timeout_s, env=env, log=log))
                      for r in range(trainers)]
-        failure = None
+        failure, ranks = None, []
         for f in starting:
             try:
-                actors.append(f.result(START_TIMEOUT_S + 30))
+                actor = f.result(START_TIMEOUT_S + 30)
             except Exception as e:  # noqa: BLE001 - the others are stopped below, then it is raised
                 failure = failure or e
+                continue
+            if actor.engine_id is None:
+                ranks.append(actor)
+                actors.append(actor)
         if failure is not None:
             raise failure
-        cluster.trainers, cluster.engine = actors[1:], actors[0]
+        cluster.trainers, cluster.engines = ranks, [f.result() for f in starting[:engines]]
+        cluster.engine, cluster.start_engine = cluster.engines[0], start_engine
         store = f"127.0.0.1:{free_port()}"
         wait_all([t.call("setup", store) for t in cluster.trainers], timeout_s)
         yield cluster
@@ -316,11 +355,13 @@ def local_cluster(path: str, *, trainers: int, tp: int, lr: float, seed: int, ti
 
 @contextmanager
 def ray_cluster(path: str, *, trainers: int, tp: int, lr: float, seed: int, timeout_s: float,
-                log: str | None = None) -> Iterator[Cluster]:
+                log: str | None = None, engines: int = 1) -> Iterator[Cluster]:
     """Trainer ranks and the engine as Ray actors: one placement group of one bundle per trainer rank
     (packed), one for the engine (its workers' cores). A Ray runtime is started here and shut down
     after (logical CPUs: one per trainer rank and per engine worker); the actors' output stays in
-    Ray's session logs (``log`` is not used)."""
+    Ray's session logs (``log`` is not used). One engine only (several: :func:`local_cluster`)."""
+    if engines != 1:
+        raise ValueError(f"{engines} engines: the Ray cluster runs one engine; several run as local actors")
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -350,6 +391,7 @@ def ray_cluster(path: str, *, trainers: int, tp: int, lr: float, seed: int, time
                  for r in range(trainers)]
         handles = [engine, *ranks]
         cluster.trainers, cluster.engine = [RayActor(h) for h in ranks], RayActor(engine)
+        cluster.engines = [cluster.engine]
         wait_all([a.call("pid") for a in [cluster.engine, *cluster.trainers]], START_TIMEOUT_S)  # all up
         cluster.host = ray.get(ranks[0].__ray_call__.remote(lambda self: ray.util.get_node_ip_address()),
                                timeout=timeout_s)
@@ -387,12 +429,14 @@ __all__ = [
     "ORCHESTRATORS",
     "RAY",
     "RUN_ENV",
+    "ENGINE_ENV",
     "ActorError",
     "Cluster",
     "LocalActor",
     "RayActor",
     "Result",
     "cluster",
+    "kill_engine_processes",
     "local_cluster",
     "ray_cluster",
     "run_processes",

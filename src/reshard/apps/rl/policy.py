@@ -176,6 +176,56 @@ class PolicyTrainer:
         self.transfers[method] = WeightTransferTrainerFactory.trainer_init(info, client=self.client,
                                                                            source=ReshardSource(self.model))
 
+    # ------------------------------------------------------------------ a fleet of engines (the chaos loop)
+
+    def _fleet_info(self, sizes: list[int]):
+        from ...integrations.vllm import ReshardTrainerInitInfo
+
+        return ReshardTrainerInitInfo(rank=self.rank, master_address=self.host, master_port=self._agreed_port(),
+                                      num_trainer_ranks=self.world, world_size=self.world + sum(sizes),
+                                      engine_world_sizes=list(sizes), options=self.fleet_options, comm_backend="gloo")
+
+    def _fleet_client(self, engines: list):
+        """Rank 0: the engines as one weight-sync client (each engine's client kept across reconnects)."""
+        from ...integrations.vllm import EngineGroup
+        from .rollout import EngineClient
+
+        if self.rank != 0:
+            return None
+        clients = self.__dict__.setdefault("fleet_clients", {})
+        return EngineGroup([clients.setdefault(key, EngineClient(handle, self.timeout_s + 60))
+                            for key, handle in engines])
+
+    def connect_fleet(self, engines: list, sizes: list[int], host: str, options: dict) -> float:
+        """Connect one reshard session to several engines (``engines``: ``(key, actor handle)`` pairs, in
+        refit-rank order; ``sizes``: their worker counts; ``options``: the refit's options as JSON).
+        Refits go through :meth:`refit` with method ``reshard``; seconds taken."""
+        from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+        from ...integrations.vllm import ReshardSource
+        from ...options import RefitOptions
+
+        start = time.perf_counter()
+        self.host, self.fleet_options = host, RefitOptions.from_json(options)
+        self.transfers[RESHARD] = WeightTransferTrainerFactory.trainer_init(
+            self._fleet_info(sizes), client=self._fleet_client(engines), source=ReshardSource(self.model))
+        return time.perf_counter() - start
+
+    def reconnect_fleet(self, engines: list, sizes: list[int]) -> float:
+        """A new session with the engines now (a failed refit broke the last one, or membership changed):
+        collective over the trainer ranks and every engine's workers; seconds taken."""
+        start = time.perf_counter()
+        self.transfers[RESHARD].reconnect(self._fleet_info(sizes), client=self._fleet_client(engines))
+        return time.perf_counter() - start
+
+    def arm_fault(self, fault: str, stall_s: float = 3600.0) -> None:
+        """For chaos runs: ``fault`` (``kind@point``, reshard's fault injection) fires in this rank's next
+        refit; a stall sleeps ``stall_s``."""
+        from ...execution import faults
+
+        os.environ["RESHARD_FAULT_STALL_S"] = str(stall_s)
+        faults.arm(fault)
+
     def refit(self, method: str, version: str, directory: str | None = None) -> dict[str, float]:
         """Push the weights by ``method``; the engine serves ``version`` afterwards. Returns ``seconds``
         (this rank)."""
@@ -232,6 +282,11 @@ class PolicyTrainer:
         if seconds > 0:
             os.environ["RESHARD_FAULT_STALL_S"] = str(seconds)
             faults.arm("stall@agreement")
+
+    def save_weights(self, directory: str) -> None:
+        """Every rank gathers the full tensors; rank 0 saves them (bf16) in ``directory`` (a reference
+        the engines are checked against)."""
+        self._save(directory)
 
     def _save(self, directory: str) -> None:
         """Every rank gathers the full tensors; rank 0 saves them (bf16, the engine's dtype) in ``directory``."""

@@ -245,6 +245,11 @@ class RolloutEngine:
     def pid(self) -> int:
         return os.getpid()
 
+    def worker_pids(self) -> list[int]:
+        """The process ids of the engine's workers (vLLM's, one per TP rank)."""
+        with self._front:
+            return self.llm.collective_rpc(_getpid)
+
     def close(self) -> None:
         from ...integrations.vllm.inspect import close_engine
 
@@ -252,6 +257,10 @@ class RolloutEngine:
         if self.llm is not None:
             close_engine(self.llm)
             self.llm = None
+
+
+def _getpid(worker) -> int:
+    return os.getpid()
 
 
 class EngineClient:
