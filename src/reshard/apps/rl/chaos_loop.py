@@ -206,8 +206,11 @@ class ChaosLoop:
                 slot.actor.call("close").result(60.0)
             except Exception as error:  # noqa: BLE001 - its processes are killed next
                 logger.warning("closing %s: %s", slot.key, error)
-            kill_engine_processes(slot.actor.engine_id)
+            slot.actor.stop()
+            left = kill_engine_processes(slot.actor.engine_id)
             slot.actor.alive = False
+            record.detail = (record.detail + "; " if record.detail else "") + (
+                f"closed; {len(left)} of its processes had to be killed" if left else "closed")
             record.recovered = self.now()
         self.leaving = []
 
@@ -280,6 +283,7 @@ class ChaosLoop:
                     self._check(slot, group)
                     done[i] = (group, slot.key)
             todo = [i for i in todo if i not in done]
+        self.rollouts += sum(len(group) for group, _ in done.values())
         return [done[i][0] for i in range(len(prompts))], [done[i][1] for i in range(len(prompts))]
 
     def _check(self, slot: EngineSlot, group: list[dict]) -> None:
@@ -291,7 +295,6 @@ class ChaosLoop:
             if sum(end - start for _, start, end in spans) != len(c["ids"]) or {v for v, _, _ in spans} != {slot.version}:
                 raise RolloutCheckError(f"a rollout of {slot.key} carries versions {spans}; it committed "
                                         f"{slot.version!r}")
-            self.rollouts += 1
 
     # ------------------------------------------------------------------ refit
 
@@ -404,6 +407,7 @@ class ChaosLoop:
         self.connect_s = self.connect()
         records, self.fleet_steps = [], []
         bound = step_bound_s(cfg)
+        loop_started = time.perf_counter()
         self._membership(0)
         t = time.perf_counter()
         batch = self._generate_sync(0)
@@ -452,6 +456,7 @@ class ChaosLoop:
                 on_step(rec)
                 batch, generation = nxt, generation_next
             self.drain()
+            self.loop_s = time.perf_counter() - loop_started
             self.final = self.final_check()
         finally:
             for timer in self.timers:
@@ -527,7 +532,7 @@ class ChaosLoop:
                             for s in self.fleet.slots],
                 "rollouts_checked": self.rollouts, "step_bound_s": step_bound_s(self.cfg),
                 "final": getattr(self, "final", None), "connect_s": getattr(self, "connect_s", None),
-                "after_last_step": getattr(self, "drained", []),
+                "after_last_step": getattr(self, "drained", []), "loop_s": getattr(self, "loop_s", None),
                 "deferred": [asdict(e) for e in self.deferred]}
 
 

@@ -63,6 +63,20 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="after the synchronous run, the asynchronous one (one-step off-policy: generation of step "
                         "k+1 overlaps training of step k, the refit overlaps both; staleness at most 1) and a table "
                         "of both per method")
+    p.add_argument("--engines", type=int, default=d.engines,
+                   help="vLLM engines (local processes), each step's prompts split over those serving; with more "
+                        "than one, or with --chaos, the loop of reshard.apps.rl.chaos_loop runs (refit: reshard) "
+                        "(default %(default)s)")
+    p.add_argument("--chaos", metavar="SPEC", default=None,
+                   help="faults and membership changes from a seeded schedule, e.g. 'kill-engine@3:1,stall-engine@6,"
+                        "trainer-raise@8,corrupt@10,trainer-stall@12,grow@4,shrink@14,seed=1' or 'kill-engine=0.1' "
+                        "(KIND@STEP[:TARGET], KIND=RATE, seed=N, stall=SECONDS; docs/rl_chaos.md); after the run, "
+                        "the same run without faults, for goodput")
+    p.add_argument("--gen-timeout", type=float, default=d.gen_timeout_s,
+                   help="with several engines: one engine's share of a batch; past it the engine is fenced and "
+                        "replaced, s (default %(default)s)")
+    p.add_argument("--refit-timeout", type=float, default=d.refit_timeout_s,
+                   help="with several engines: the refit session's timeout, s (default %(default)s)")
     p.add_argument("--verify", action="store_true",
                    help="after every refit, check the engine's bytes against a reference refit (slower)")
     p.add_argument("--trainers", type=int, default=d.trainers, help="FSDP2 trainer ranks (default %(default)s)")
@@ -81,12 +95,20 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-def config(args, *, refit: bool | None = None, asynchronous: bool = False):
+def fleet(args) -> bool:
+    """Whether the run is the chaos loop's (several engines, or faults)."""
+    return args.engines > 1 or args.chaos is not None
+
+
+def config(args, *, refit: bool | None = None, asynchronous: bool = False, chaos: str | None = None,
+           engines: int | None = None):
     from .loop import RLConfig
 
-    return RLConfig(steps=args.steps, methods=args.methods or _methods(_default_methods()),
+    default = _methods("reshard" if fleet(args) else _default_methods())
+    return RLConfig(steps=args.steps, methods=args.methods or default,
                     refit=(not args.no_refit) if refit is None else refit, orchestrator=args.orchestrator,
-                    asynchronous=asynchronous,
+                    asynchronous=asynchronous, engines=args.engines if engines is None else engines, chaos=chaos,
+                    gen_timeout_s=args.gen_timeout, refit_timeout_s=args.refit_timeout,
                     trainers=args.trainers, tp=args.tp, prompts=args.prompts, group=args.group,
                     max_tokens=args.max_tokens, hidden=args.hidden, layers=args.layers, lr=args.lr, seed=args.seed, verify=args.verify,
                     timeout_s=args.timeout)
@@ -94,7 +116,7 @@ def config(args, *, refit: bool | None = None, asynchronous: bool = False):
 
 def check(args) -> None:
     """Options checked before anything starts (a ``ValueError`` names the bad one)."""
-    config(args)
+    config(args, chaos=args.chaos, asynchronous=args.asynchronous and fleet(args))
     if args.control and args.no_refit:
         raise ValueError("--control adds a run without refit; --no-refit runs only that one")
     if args.asynchronous and args.no_refit:
@@ -146,6 +168,8 @@ def run_command(args) -> int:
     console.print(f"machine: {os.cpu_count()} CPUs, {platform.machine()}, python {platform.python_version()}; "
                   f"actors' output in {log}", highlight=False)
     start = time.perf_counter()
+    if fleet(args):
+        return _fleet_command(console, args, out, log, start)
     runs = {}
     main = config(args)
     name = ("sync" if args.asynchronous else "refit") if main.refit else "no refit"
@@ -170,6 +194,41 @@ def run_command(args) -> int:
         console.print(report.pause_table(with_refit))
     if with_refit is not None:
         files.append(report.plot_step_times(with_refit, out / "rl_step_time.png"))
+    (out / "rl_run.json").write_text(json.dumps({k: r.to_json() for k, r in runs.items()}, indent=1))
+    files.append(out / "rl_run.json")
+    for f in files:
+        console.print(f"wrote {f}", highlight=False)
+    console.print(f"total {time.perf_counter() - start:.0f} s", highlight=False)
+    return 0
+
+
+def _fleet_command(console, args, out: Path, log: str, start: float) -> int:
+    """Several engines, with faults (``--chaos``): the chaos run, the same run without faults, and with
+    ``--control`` the one-engine run without refit; their tables, the picture, the JSON."""
+    from . import chaos_report, report
+
+    runs, label = {}, " (async)" if args.asynchronous else ""
+    if args.chaos is not None:
+        runs["chaos"] = _one_run(console, config(args, chaos=args.chaos, asynchronous=args.asynchronous),
+                                 f"chaos{label}", log)
+    runs["fault-free"] = _one_run(console, config(args, asynchronous=args.asynchronous), f"fault-free{label}", log)
+    if args.control:
+        runs["no refit"] = _one_run(console, config(args, refit=False, engines=1), "no refit (control, 1 engine)",
+                                    log)
+    for name, r in runs.items():
+        console.print(f"reward, {name}: {report.reward_summary(r)}; startup {r.startup_s:.0f} s", highlight=False)
+    console.print(report.reward_table(runs))
+    clean = runs["fault-free"]
+    files = []
+    if "chaos" in runs:
+        chaotic = runs["chaos"]
+        console.print(chaos_report.fault_table(chaotic))
+        console.print(chaos_report.step_table(chaotic, clean))
+        console.print(chaos_report.goodput_table(chaotic, clean))
+        console.print(chaos_report.checks_line(chaotic), highlight=False)
+        files.append(chaos_report.plot(runs, out / "rl_chaos.png"))
+    console.print(chaos_report.checks_line(clean).replace("checks:", "checks (fault-free):", 1), highlight=False)
+    files.append(report.plot_rewards(runs, out / "rl_reward.png"))
     (out / "rl_run.json").write_text(json.dumps({k: r.to_json() for k, r in runs.items()}, indent=1))
     files.append(out / "rl_run.json")
     for f in files:

@@ -312,10 +312,18 @@ def local_cluster(path: str, *, trainers: int, tp: int, lr: float, seed: int, ti
     actors: list[LocalActor] = []
     cluster = Cluster([], None, "127.0.0.1")
     env = {RUN_ENV: cluster.run_id}
-    lock = threading.Lock()
+    lock, one_at_a_time = threading.Lock(), threading.Lock()
+    up = threading.Event()  # the cluster is up: later engines start one at a time (two vLLM starts on
+    # the same cores each take longer than both in turn)
 
     def start_engine() -> LocalActor:
         engine_id = secrets.token_hex(6)
+        if up.is_set():
+            with one_at_a_time:
+                return _start(engine_id)
+        return _start(engine_id)
+
+    def _start(engine_id: str) -> LocalActor:
         actor = LocalActor.start("reshard.apps.rl.rollout:RolloutEngine", path, tp, seed,
                                  env={**env, ENGINE_ENV: engine_id}, log=log)
         actor.engine_id = engine_id
@@ -345,6 +353,7 @@ def local_cluster(path: str, *, trainers: int, tp: int, lr: float, seed: int, ti
         cluster.engine, cluster.start_engine = cluster.engines[0], start_engine
         store = f"127.0.0.1:{free_port()}"
         wait_all([t.call("setup", store) for t in cluster.trainers], timeout_s)
+        up.set()
         yield cluster
     finally:
         _close_actors(cluster, 60.0)
