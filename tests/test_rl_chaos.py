@@ -99,11 +99,12 @@ def test_chaos_run_keeps_training_through_kill_stall_grow_shrink():
     pytest.importorskip("vllm")
     from test_rl_loop import _run
 
+    from reshard.apps.rl.chaos_loop import run
     from reshard.apps.rl.loop import RLConfig
 
     cfg = RLConfig(steps=STEPS, engines=2, tp=1, trainers=2, prompts=4, group=4, max_tokens=8, methods=("reshard",),
                    chaos=CHAOS, gen_timeout_s=40.0, refit_timeout_s=40.0, timeout_s=180.0)
-    result = _run(cfg)
+    result = _run(cfg, run)
     log = result.chaos
     print("\n" + "\n".join(f"{f['kind']:<13} step {f['step']} {f['target']:<4} detected {f['detection_s']} "
                            f"recovered {f['recovery_s']}: {f['outcome']}" for f in log["faults"]))

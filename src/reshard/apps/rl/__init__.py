@@ -8,6 +8,10 @@
     orchestrate.py  local processes or Ray actors (placement groups); bounded, complete cleanup
     loop.py         generate -> reward -> train -> refit, timed per phase, versions checked
     report.py       tables and pictures of a run
+    chaos.py        seeded schedules of faults and membership changes (--chaos)
+    fleet.py        several engines: states, the prompt split, fault records
+    chaos_loop.py   the loop over several engines through faults and membership changes
+    chaos_report.py faults, goodput and the picture of a chaos run
 
 ``reshard rl-demo`` runs it (see ``docs/rl_loop.md``).
 """

@@ -44,7 +44,7 @@ from typing import Any, Callable
 
 from . import chaos
 from .fleet import DEAD, JOINING, LEFT, SERVING, STARTING, FaultRecord, Fleet, EngineSlot, assign
-from .orchestrate import START_TIMEOUT_S, _thread_future, kill_engine_processes
+from .orchestrate import START_TIMEOUT_S, thread_future, kill_engine_processes
 from .policy import RESHARD
 from .rollout import VERSION0
 
@@ -121,7 +121,7 @@ class ChaosLoop:
 
     def _start_engine(self, record: FaultRecord | None) -> EngineSlot:
         slot = self.fleet.add(None, self.cfg.tp, self.now(), STARTING)
-        self.starts.append((slot, _thread_future(self.rig.cluster.start_engine), record))
+        self.starts.append((slot, thread_future(self.rig.cluster.start_engine), record))
         return slot
 
     def _poll_starts(self, wait_s: float = 0.0) -> None:
@@ -424,7 +424,7 @@ class ChaosLoop:
                 rewards, samples, num_tokens = scored(rig.task, step_prompts_of(self, step), groups)
                 ahead: Future | None = None
                 if cfg.asynchronous and step + 1 < cfg.steps:
-                    ahead = _thread_future(lambda: self.generate(step + 1))
+                    ahead = thread_future(lambda: self.generate(step + 1))
                 t = time.perf_counter()
                 metrics = rig.trainers.each("train", [(s, num_tokens) for s in shards(samples, cfg.trainers)])
                 training = time.perf_counter() - t
@@ -542,6 +542,13 @@ def step_prompts_of(loop: ChaosLoop, step: int) -> list[list[int]]:
     return step_prompts(loop.cfg, step, loop.rig.task, loop.rig.tokenizer)[0]
 
 
+def run(cfg, **options):
+    """The loop of :func:`reshard.apps.rl.loop.run` (same options) with this module's steps."""
+    from .loop import run as run_loop
+
+    return run_loop(cfg, steps=run_steps, **options)
+
+
 def run_steps(rig, on_step: Callable) -> list:
     """The chaos loop's steps (``loop.run(..., steps=run_steps)``); its log lands in ``rig.extras``."""
     loop = ChaosLoop(rig)
@@ -551,4 +558,4 @@ def run_steps(rig, on_step: Callable) -> list:
         rig.extras.update(loop.extras())
 
 
-__all__ = ["ChaosLoop", "FleetStep", "HangError", "RolloutCheckError", "run_steps", "step_bound_s"]
+__all__ = ["ChaosLoop", "FleetStep", "HangError", "RolloutCheckError", "run", "run_steps", "step_bound_s"]

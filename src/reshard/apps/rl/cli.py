@@ -130,6 +130,7 @@ def _one_run(console, cfg, name: str, log: str):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .async_loop import run as run_async
+    from .chaos_loop import run as run_fleet
     from .loop import run
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -145,7 +146,7 @@ def _one_run(console, cfg, name: str, log: str):
                 f"{'  (warm-up)' if s.warmup else ''}", highlight=False)
             progress.update(task, advance=1, description=f"{name}: training", last=f"reward {s.reward:.3f}")
 
-        result = (run_async if cfg.asynchronous else run)(cfg, on_step=on_step, log=log,
+        result = (run_fleet if cfg.fleet else run_async if cfg.asynchronous else run)(cfg, on_step=on_step, log=log,
                      on_status=lambda m: progress.update(task, description=f"{name}: {m}"))
         progress.update(task, description=f"{name}: done")
     return result

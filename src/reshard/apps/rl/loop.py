@@ -274,7 +274,7 @@ def run(cfg: RLConfig, *, on_step: Callable[[StepRecord], None] | None = None,
                                                 cfg.asynchronous)[0]
             rig = Rig(cfg, task, tokenizer, engine, trainers, ckpt, actors)
             if steps is None and cfg.fleet:
-                from .chaos_loop import run_steps as steps
+                raise ValueError("several engines or a chaos spec: run reshard.apps.rl.chaos_loop.run")
             try:
                 result.steps = (steps or _steps)(rig, on_step or (lambda _: None))
             finally:

@@ -46,7 +46,8 @@ class ActorError(RuntimeError):
     """A call raised inside an actor; the message carries its traceback."""
 
 
-def _thread_future(fn: Callable[[], Any]) -> Future:
+def thread_future(fn: Callable[[], Any]) -> Future:
+    """``fn()`` on a daemon thread of its own; its future."""
     future: Future = Future()
 
     def run() -> None:
@@ -181,7 +182,7 @@ class LocalActor:
                 raise ActorError(f"{method} failed in actor {self.pid}:\n{value}")
             return value
 
-        future = _thread_future(run)
+        future = thread_future(run)
 
         def wait(timeout_s):
             try:
@@ -333,8 +334,8 @@ def local_cluster(path: str, *, trainers: int, tp: int, lr: float, seed: int, ti
         return actor
 
     try:
-        starting = [_thread_future(start_engine) for _ in range(engines)]
-        starting += [_thread_future(lambda r=r: LocalActor.start("reshard.apps.rl.policy:PolicyTrainer", r, trainers,
+        starting = [thread_future(start_engine) for _ in range(engines)]
+        starting += [thread_future(lambda r=r: LocalActor.start("reshard.apps.rl.policy:PolicyTrainer", r, trainers,
                                                                  path, lr, timeout_s, env=env, log=log))
                      for r in range(trainers)]
         failure, ranks = None, []
@@ -449,5 +450,6 @@ __all__ = [
     "local_cluster",
     "ray_cluster",
     "run_processes",
+    "thread_future",
     "wait_all",
 ]
