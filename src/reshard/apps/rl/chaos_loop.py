@@ -109,6 +109,7 @@ class ChaosLoop:
         self.faulted: set[int] = set()  # steps whose engine faults fired
         self.deferred: list[chaos.Event] = []  # shrinks waiting for a second serving engine
         self.leaving: list[tuple[EngineSlot, FaultRecord]] = []
+        self.closing: list[Future] = []  # leavers being closed
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -201,18 +202,23 @@ class ChaosLoop:
             self._note(step, f"shrink: {slot.key} leaves")
 
     def _close_leavers(self) -> None:
+        """Engines that left (out of the group since the last reconnect) are closed in the background:
+        their vLLM shutdown takes seconds, and nothing waits for it but the end of the run."""
         for slot, record in self.leaving:
-            try:
-                slot.actor.call("close").result(60.0)
-            except Exception as error:  # noqa: BLE001 - its processes are killed next
-                logger.warning("closing %s: %s", slot.key, error)
-            slot.actor.stop()
-            left = kill_engine_processes(slot.actor.engine_id)
-            slot.actor.alive = False
-            record.detail = (record.detail + "; " if record.detail else "") + (
-                f"closed; {len(left)} of its processes had to be killed" if left else "closed")
-            record.recovered = self.now()
+            self.closing.append(thread_future(lambda slot=slot, record=record: self._close(slot, record)))
         self.leaving = []
+
+    def _close(self, slot: EngineSlot, record: FaultRecord) -> None:
+        try:
+            slot.actor.call("close").result(60.0)
+        except Exception as error:  # noqa: BLE001 - its processes are killed next
+            logger.warning("closing %s: %s", slot.key, error)
+        slot.actor.stop()
+        left = kill_engine_processes(slot.actor.engine_id)
+        slot.actor.alive = False
+        record.detail = (record.detail + "; " if record.detail else "") + (
+            f"closed in {self.now() - record.detected:.1f} s; {len(left)} of its processes had to be killed" if left
+            else f"closed in {self.now() - record.detected:.1f} s")
 
     # ------------------------------------------------------------------ engine faults
 
@@ -316,6 +322,12 @@ class ChaosLoop:
         self.reconnect_needed = False
         return seconds
 
+    def _left_group(self) -> None:
+        """Shrinks are done once a session without the leaver is up."""
+        for f in self.faults:
+            if f.kind == "shrink" and f.recovered is None and self.fleet.by_key(f.target).state == LEFT:
+                f.recovered = self.now()
+
     def _arm_trainer_faults(self, step: int) -> list[FaultRecord]:
         armed = []
         for event in [e for e in self.events if e.step == step and e.on_trainer]:
@@ -334,12 +346,12 @@ class ChaosLoop:
         """The refit after ``step``'s update, retried on a new session until it commits (module doc, 6)."""
         version = str(step + 1)
         self._poll_starts()
-        self._close_leavers()
         armed = self._arm_trainer_faults(step)
         for attempt in range(1, self.cfg.max_refit_attempts + 1):
             record.refit_attempts = attempt
             if self.reconnect_needed:
                 record.reconnect_s += self._reconnect()
+                self._left_group()
             try:
                 self.rig.trainers.all("refit", RESHARD, version, None)
                 break
@@ -356,6 +368,7 @@ class ChaosLoop:
                 self.reconnect_needed = True
         else:
             raise RuntimeError(f"the refit to version {version} failed {self.cfg.max_refit_attempts} times")
+        self._close_leavers()
         for slot in self.fleet.group():
             slot.version = version
         self.version = version
@@ -383,6 +396,8 @@ class ChaosLoop:
         if not joiners:
             return
         peers = self.fleet.serving()
+        if not peers and len(joiners) > 1:  # no engine served through the refit: the joiners against each other
+            peers = joiners[:1]
         reference = peers[0].actor.call("digests").result(self.cfg.timeout_s) if peers else None
         for slot in joiners:
             served = slot.actor.call("weight_version").result(self.cfg.timeout_s)
@@ -390,7 +405,9 @@ class ChaosLoop:
             if served != self.version or (reference is not None and digests != reference):
                 raise RolloutCheckError(f"{slot.key} joined at version {served!r} with weights unlike its peers'")
             self.fleet.set(slot, SERVING, self.now())
-            checked = f"digest-equal to {peers[0].key}" if peers else "no serving peer: version label checked"
+            checked = (f"digest-equal to {peers[0].key}" if peers and peers[0] is not slot else
+                       "the first of the engines caught up together: version label checked" if peers else
+                       "no other engine: version label checked")
             self._note(step, f"{slot.key} caught up to version {self.version} ({checked}); serving")
             for r in self.faults:
                 if r.outcome.endswith(slot.key) or (r.kind == "grow" and r.target == slot.key):
@@ -496,7 +513,10 @@ class ChaosLoop:
         self._membership(step)
         if self.leaving:
             self._reconnect()
+            self._left_group()
             self._close_leavers()
+        for future in self.closing:
+            future.result(120.0)  # each close is bounded (60 s, then its processes killed)
         self.drained = self.step_events.pop(step, [])
 
     @staticmethod

@@ -72,10 +72,8 @@ def goodput_table(chaos_run: RunResult, clean: RunResult) -> Table:
 
 
 def _hit_step(fault: dict, steps: dict) -> int | None:
-    """The step whose time a fault shows in: the step it fired in, or (an engine fault fires as the
-    next step's batch starts, inside the step before it) the step before."""
-    if fault["kind"] in ("kill-engine", "stall-engine", "grow", "shrink", "unplanned"):
-        return fault["step"] - 1 if fault["step"] - 1 in steps else fault["step"] if fault["step"] in steps else None
+    """The step whose record shows a fault's cost: the one it was scheduled in (an engine fault fires as
+    that step's batch starts; a trainer fault in that step's refit; a shrink's reconnect is in it)."""
     return fault["step"] if fault["step"] in steps else None
 
 
@@ -88,19 +86,32 @@ def step_table(chaos_run: RunResult, clean: RunResult) -> Table:
     """Every step of the chaos run: engines generating, what happened, its phases, beside the fault-free
     run's step of the same number."""
     table = Table(title="step time with faults (measured, s), beside the fault-free run's step")
-    for name in ("step", "engines", "events", "gen", "train", "refit", "reconnect", "attempts", "total",
+    for name in ("step", "engines", "events", "gen", "tok/s", "train", "refit", "reconnect", "attempts", "total",
                  "fault-free"):
         table.add_column(name, justify="left" if name in ("engines", "events") else "right")
     clean_total = {s.step: s.total for s in clean.steps}
+    tokens = chaos_run.config.prompts * chaos_run.config.group * chaos_run.config.max_tokens
     for s, f in zip(chaos_run.steps, chaos_run.chaos.get("fleet", [])):
         events = "; ".join(e if len(e) < 70 else e[:67] + "..." for e in f["events"])
-        table.add_row(str(s.step), ",".join(f["engines"]), events, f"{s.generation:.2f}", f"{s.training:.2f}",
+        rate = f"{tokens / s.generation:.0f}" if s.generation > 0.01 else "-"  # async: generated in the background
+        table.add_row(str(s.step), ",".join(f["engines"]), events, f"{s.generation:.2f}", rate, f"{s.training:.2f}",
                       f"{s.refit:.2f}", f"{f['reconnect_s']:.2f}", str(f["refit_attempts"]), f"{s.total:.2f}",
                       _s(clean_total.get(s.step), 2))
     after = chaos_run.chaos.get("after_last_step") or []
     if after:
         table.caption = "after the last step: " + "; ".join(after)
     return table
+
+
+def throughput_by_engines(run: RunResult) -> dict[int, float]:
+    """Generation tokens per second (median over steps) by the number of engines that generated the
+    step's batch (steps with a fault in their generation left out: their time includes the fault)."""
+    tokens = run.config.prompts * run.config.group * run.config.max_tokens
+    by: dict[int, list[float]] = {}
+    for s, f in zip(run.steps, run.chaos.get("fleet", [])):
+        if s.generation > 0.01 and not any(("fenced" in e or "caught" in e) for e in f["events"]):
+            by.setdefault(len(f["engines"]), []).append(tokens / s.generation)
+    return {n: statistics.median(v) for n, v in sorted(by.items())}
 
 
 def checks_line(run: RunResult) -> str:
@@ -154,4 +165,5 @@ def plot(runs: dict[str, RunResult], png: str | Path) -> Path:
     return save_figure(fig, png, dpi=120)
 
 
-__all__ = ["checks_line", "fault_table", "goodput_table", "loop_seconds", "plot", "step_table", "steps_per_hour"]
+__all__ = ["checks_line", "fault_table", "goodput_table", "loop_seconds", "plot", "step_table", "steps_per_hour",
+           "throughput_by_engines"]

@@ -69,7 +69,7 @@ class RLConfig:
     # several engines, faults and membership changes (reshard.apps.rl.chaos_loop): the refit is reshard's
     engines: int = 1
     chaos: str | None = None  # a chaos spec (reshard.apps.rl.chaos), None: no fault
-    gen_timeout_s: float = 60.0  # one engine's share of a batch; past it the engine is fenced and replaced
+    gen_timeout_s: float = 30.0  # one engine's share of a batch; past it the engine is fenced and replaced
     refit_timeout_s: float = 30.0  # the chaos loop's refit session timeout (bounds each wait inside a refit)
     max_refit_attempts: int = 3  # a failed refit is retried on a new session up to this many times in all
 
