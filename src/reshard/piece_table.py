@@ -101,8 +101,17 @@ class PieceTable:
         b = self.buffers
         return b[0] if b and b.count(b[0]) == len(b) else None
 
-    def box_copies(self) -> tuple[np.ndarray, np.ndarray]:
-        """(index of each piece's distinct box, how many pieces hold each distinct box): replicas."""
+    def box_copies(self, cache: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(index of each piece's distinct box, how many pieces hold each distinct box): replicas.
+
+        ``cache``: a dict kept over one pass through many tables; tables with the same boxes (on any
+        ranks) then share one answer, worked out once (treat it as read-only)."""
+        if cache is not None:
+            key = (self.offsets.shape, self.offsets.tobytes(), self.sizes.tobytes())
+            hit = cache.get(key)
+            if hit is None:
+                hit = cache[key] = self.box_copies()
+            return hit
         if not len(self):
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
         _, inv, counts = np.unique(np.concatenate([self.offsets, self.sizes], axis=1), axis=0,

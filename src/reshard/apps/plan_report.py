@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from ..execution.methods import make_plan
 from ..frameworks.parallel import ModelLayouts, model_layouts
+from ..gc_pause import without_gc
 from ..options import RefitOptions
 from ..planning.methods import RESHARD
 from ..planning.plan import Plan
@@ -83,6 +84,7 @@ class ModelReport:
     record: dict  # the --json object's modeled keys
 
 
+@without_gc
 def build_plan_report(model: str, train: str, infer: str, *, independent_engines: bool = False,
                       options: RefitOptions | None = None, precision: str = "bf16",
                       max_bucket_bytes: int | None = None, baseline: bool = True) -> PlanReport:
@@ -129,6 +131,7 @@ def _plan_keys(report: PlanReport) -> dict:
             **summary["precision"], "bf16_wire_bytes": report.plan.wire_bytes}
 
 
+@without_gc
 def build_model_report(report: PlanReport, topology: Topology, *, figures: bool, plots: bool) -> ModelReport:
     """Model ``report``'s refit on ``topology``: whether its weights fit, and (``figures``) every modeled
     figure, with reshard's rounds under the plan's staging cap (2 GiB without one: rounds of 1 GiB) and 1 GiB broadcast

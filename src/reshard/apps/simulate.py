@@ -48,6 +48,7 @@ from pathlib import Path
 import numpy as np
 
 from ..frameworks.parallel import ModelLayouts, model_layouts
+from ..gc_pause import without_gc
 from ..layout import Layout
 from ..modeling.pipeline import RefitModel
 from ..modeling.topology import Placement, Topology
@@ -127,10 +128,19 @@ def rank_weight_bytes(layout: Layout) -> dict[int, int]:
     >>> sorted(held) == lay.destination_ranks, round(max(held.values()) / 1e9, 2), round(lay.arch.nbytes / 4e9, 2)
     (True, 4.1, 4.1)
     """
-    total = np.zeros(max(layout.ranks, default=-1) + 1)
+    alike: dict[tuple, list] = {}  # (geometry, bytes per element) -> [a table, its itemsizes, how many tensors]
     for name, t in layout.tables.items():
         if len(t):
-            np.add.at(total, t.ranks, np.prod(t.sizes, axis=1) * layout.buffer_dtypes(name).itemsizes)
+            found = layout.buffer_dtypes(name)
+            key = (t.geometry_key(), found.uniform.itemsize) if found.uniform is not None else (name,)
+            hit = alike.get(key)
+            if hit is None:
+                alike[key] = [t, found.itemsizes, 1]
+            else:
+                hit[2] += 1
+    total = np.zeros(max(layout.ranks, default=-1) + 1, np.int64)
+    for t, itemsizes, n in alike.values():
+        np.add.at(total, t.ranks, np.prod(t.sizes, axis=1) * itemsizes * n)
     return {r: int(total[r]) for r in layout.ranks}
 
 
@@ -151,6 +161,7 @@ def fit(lay: ModelLayouts, topology: Topology, policy: DtypePolicy | None = None
     return None
 
 
+@without_gc
 def model_figures(m: RefitModel, *, rounds_cap: int | None = 2 * GiB, bucket_bytes: int | None = GiB) -> dict:
     """Every modeled figure of one refit: seconds per method, the bound and its binding term, bytes.
 
@@ -245,6 +256,7 @@ def fp8_problem(lay: ModelLayouts) -> tuple[Layout | None, str | None]:
         return None, f"FP8 does not fit this layout: {e}"
 
 
+@without_gc
 def simulate_case(case: Case, *, max_bucket_bytes: int = 2 * GiB, gather_bucket_bytes: int | None = GiB,
                   topology: Topology | None = None, precision: str | None = None) -> Result:
     """Build, plan and model one case (tens of seconds for the biggest) in ``precision`` (default: the

@@ -272,18 +272,26 @@ class _Refit:
 def exclusive_source_bytes(p: Plan) -> dict[int, float]:
     """Per source rank, bytes of the source regions it alone holds that a destination needs
     (every destination rank taken to lie in another domain)."""
-    out: dict[int, float] = {}
+    tensors: dict[tuple[bytes, int], list] = {}  # (geometry, itemsize) -> [a source table, how many tensors]
     for name in p.tensors:
         st = p.source.tables[name]
         if not len(st):
             continue
-        inv, count = st.box_copies()
+        isz = p.destination.buffer_dtypes(name).itemsize or p.destination.specs[name].dtype.itemsize
+        hit = tensors.get((st.geometry_key(), isz))
+        if hit is None:
+            tensors[(st.geometry_key(), isz)] = [st, 1]
+        else:
+            hit[1] += 1
+    out: dict[int, float] = {}
+    copies: dict = {}
+    for (_, isz), (st, n) in tensors.items():  # in tensor order: ranks come in as they did tensor by tensor
+        inv, count = st.box_copies(copies)
         alone = count[inv] == 1
         if not alone.any():
             continue
-        isz = p.destination.buffer_dtypes(name).itemsize or p.destination.specs[name].dtype.itemsize
         for r, v in zip(st.ranks[alone].tolist(), st.sizes[alone].prod(axis=1).tolist()):
-            out[r] = out.get(r, 0.0) + v * isz
+            out[r] = out.get(r, 0.0) + v * isz * n  # whole numbers far below 2**53: exact, as n additions were
     return out
 
 

@@ -119,16 +119,31 @@ def domain_need_bytes(destination: Layout, domains: Mapping[int, int]) -> dict[i
     {0: 64, 1: 64}
     """
     dom = domain_array(domains, destination.ranks)
-    out: dict[int, int] = {}
+    tensors: dict[tuple, list] = {}  # (geometry, itemsize) -> [a table, how many tensors]; in tensor order
     for name, t in destination.tables.items():
         if not len(t):
             continue
-        rows = np.concatenate([dom[t.ranks][:, None], t.offsets, t.sizes], axis=1)
-        uniq, first = np.unique(rows, axis=0, return_index=True)
-        nbytes = t.sizes[first].prod(axis=1) * destination.buffer_dtypes(name).itemsizes[first]  # in destination dtypes
-        for d, b in zip(uniq[:, 0].tolist(), nbytes.tolist()):
-            out[d] = out.get(d, 0) + b
+        found = destination.buffer_dtypes(name)
+        key = (t.geometry_key(), found.uniform.itemsize) if found.uniform is not None else (name,)
+        hit = tensors.get(key)
+        if hit is None:
+            tensors[key] = [t, 1, found]
+        else:
+            hit[1] += 1
+    out: dict[int, int] = {}
+    for t, n, found in tensors.values():  # tensors of one geometry and dtype size: the same bytes
+        for d, b in _domain_box_bytes(t, dom, found.itemsizes):
+            out[d] = out.get(d, 0) + b * n
     return out
+
+
+def _domain_box_bytes(t: PieceTable, dom: np.ndarray, itemsizes: np.ndarray) -> list[tuple[int, int]]:
+    """``(domain, bytes)`` of each distinct box of one table within each domain, in domain order
+    (``itemsizes``: bytes per element of each piece, in destination dtypes)."""
+    rows = np.concatenate([dom[t.ranks][:, None], t.offsets, t.sizes], axis=1)
+    uniq, first = np.unique(rows, axis=0, return_index=True)
+    nbytes = t.sizes[first].prod(axis=1) * itemsizes[first]
+    return list(zip(uniq[:, 0].tolist(), nbytes.tolist()))
 
 
 @without_gc
@@ -157,9 +172,10 @@ def hierarchical_plan(source: Layout, destination: Layout, domains: Mapping[int,
     return HierarchicalPlan(source, destination, network, forward, domains, relay_plan)
 
 
-def _source_copies(st: PieceTable) -> int:
-    """How many copies of each region the source holds (pieces per distinct box)."""
-    return len(st) // max(len(st.box_copies()[1]), 1)
+def _source_copies(st: PieceTable, cache: dict | None = None) -> int:
+    """How many copies of each region the source holds (pieces per distinct box); ``cache``: see
+    :meth:`PieceTable.box_copies`."""
+    return len(st) // max(len(st.box_copies(cache)[1]), 1)
 
 
 def _with_tables(layout: Layout, tables: Mapping[str, PieceTable]) -> Layout:
@@ -245,11 +261,12 @@ def split_across_replicas(receivers: Layout, source: Layout, split_bytes: int) -
     >= 2 into one part per source replica of its tensor (so the planner can take each part
     from another replica)."""
     tables = dict(receivers.tables)
+    copies: dict = {}  # source tables of one geometry hold as many copies
     for name, t in receivers.tables.items():
         if not len(t):
             continue
         st = source.tables[name]
-        replicas = _source_copies(st)
+        replicas = _source_copies(st, copies)
         if replicas < 2:
             continue
         nbytes = t.sizes.prod(axis=1) * itemsize(receivers.specs[name].dtype)
@@ -282,11 +299,11 @@ def split_across_replicas(receivers: Layout, source: Layout, split_bytes: int) -
     return _with_tables(receivers, tables)
 
 
-def _relay_boxes(t: PieceTable, st: PieceTable, dom: np.ndarray) -> list[tuple[np.ndarray, int]]:
+def _relay_boxes(t: PieceTable, st: PieceTable, dom: np.ndarray, copies: int) -> list[tuple[np.ndarray, int]]:
     """The boxes of one receivers table that need a relay: per box, its *members* (the rows of the
     domains that hold no source piece of the tensor, one per domain, in domain order) and how
-    many of them are seeds (the source copies not already taken by domains that fetch anyway)."""
-    copies = _source_copies(st)
+    many of them are seeds (the source copies not already taken by domains that fetch anyway);
+    ``copies``: :func:`_source_copies` of ``st``."""
     if len(t) <= copies:
         return []
     boxes = np.concatenate([t.offsets, t.sizes], axis=1)
@@ -356,9 +373,15 @@ def split_relays(receivers: Layout, source: Layout, domains: Mapping[int, int]) 
     load = [0] * len(dom)  # relay bytes each rank sends (estimated)
     work = []  # (-bytes of the box over the group's tensors, group, box)
     found = []  # per group: (names, table, relay boxes)
-    for gi, names in enumerate(groups.values()):
+    copies: dict = {}  # source tables with the same boxes hold as many copies
+    relays: dict[tuple, list] = {}  # groups alike (domains of the receivers, boxes, copies, source domains)
+    for gi, (key, names) in enumerate(groups.items()):
         t, st = receivers.tables[names[0]], source.tables[names[0]]
-        boxes = _relay_boxes(t, st, dom)
+        n = _source_copies(st, copies)
+        alike = (t.offsets.shape, dom[t.ranks].tobytes(), t.offsets.tobytes(), t.sizes.tobytes(), n, key[-1])
+        boxes = relays.get(alike)
+        if boxes is None:  # its boxes' rows depend on nothing else
+            boxes = relays[alike] = _relay_boxes(t, st, dom, n)
         isz = sum(itemsize(receivers.specs[n].dtype) for n in names)
         for bi, (members, _) in enumerate(boxes):
             work.append((-int(t.sizes[members[0]].prod()) * isz, gi, bi))

@@ -134,14 +134,26 @@ def tensor_subset(layout: Layout, names) -> Layout:
     keep = [n for n in layout.specs if n in wanted]
     tables = {n: layout.tables[n] for n in keep}
     used: dict[int, set[str]] = {}
+    seen: set[tuple[int, str]] = set()  # (ranks array, buffer) already counted: tables alike share ranks arrays
     for t in tables.values():
         if not len(t):
             continue
         b = t.one_buffer()
-        for r, buf in zip(t.ranks.tolist(), (b,) * len(t) if b is not None else t.buffers):
-            used.setdefault(r, set()).add(buf)
-    buffers = {r: {b: layout.buffer_spec(r, b) for b in sorted(bufs)} for r, bufs in used.items()}
+        if b is None:
+            for r, buf in zip(t.ranks.tolist(), t.buffers):
+                used.setdefault(r, set()).add(buf)
+        elif (id(t.ranks), b) not in seen:  # every table stays alive while this runs: ids are unique
+            seen.add((id(t.ranks), b))
+            for r in dict.fromkeys(t.ranks.tolist()):  # distinct ranks, in the order the pieces name them
+                used.setdefault(r, set()).add(b)
+    buffers = {r: _buffer_specs(layout, r, sorted(bufs)) for r, bufs in used.items()}
     return Layout({n: layout.specs[n] for n in keep}, tables, buffers, validate=False)
+
+
+def _buffer_specs(layout: Layout, rank: int, names: list[str]) -> dict:
+    """``{name: (shape, dtype)}`` of ``rank``'s buffers ``names`` (one copy of its buffers, not one look-up each)."""
+    held = layout.buffers(rank)
+    return {b: held[b] if b in held else layout.buffer_spec(rank, b) for b in names}
 
 
 def split_layout(layout: Layout, rule: Callable[[str], bool] | None = None) -> tuple[Layout, Layout]:
