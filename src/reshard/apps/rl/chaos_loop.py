@@ -424,14 +424,15 @@ class ChaosLoop:
         self.connect_s = self.connect()
         records, self.fleet_steps = [], []
         bound = step_bound_s(cfg)
-        loop_started = time.perf_counter()
+        loop_started = last_end = time.perf_counter()
         self._membership(0)
         t = time.perf_counter()
         batch = self._generate_sync(0)
-        generation = time.perf_counter() - t
+        generation = time.perf_counter() - t  # this step's batch, generated on the driver's thread
         try:
             for step in range(cfg.steps):
-                start = time.perf_counter() - generation
+                # a step's time runs from the end of the one before to the end of its refit: batch k is
+                # generated in it (sync) or beside the training before it (async: the wait for it counts)
                 groups, engines = batch
                 version = self._version_of(groups)
                 staleness = step - int(version)
@@ -447,17 +448,14 @@ class ChaosLoop:
                 training = time.perf_counter() - t
                 t = time.perf_counter()
                 nxt = ahead.result(cfg.gen_timeout_s * 2 + START_TIMEOUT_S) if ahead is not None else None
-                ahead_s = time.perf_counter() - t
+                generation += time.perf_counter() - t
                 t = time.perf_counter()
                 self.refit(step, fleet_step)
                 refit = time.perf_counter() - t
                 if step + 1 < cfg.steps:
                     self._membership(step + 1)
-                t = time.perf_counter()
-                if step + 1 < cfg.steps and nxt is None:
-                    nxt = self._generate_sync(step + 1)
-                generation_next = time.perf_counter() - t + ahead_s
-                total = time.perf_counter() - start
+                end = time.perf_counter()
+                total, last_end = end - last_end, end
                 fleet_step.wall_s = self.now()
                 fleet_step.events = self.step_events.pop(step, [])
                 rec = StepRecord(step=step, method=RESHARD, version=version, reward=float(rewards.mean()),
@@ -471,7 +469,10 @@ class ChaosLoop:
                 records.append(rec)
                 self.fleet_steps.append(fleet_step)
                 on_step(rec)
-                batch, generation = nxt, generation_next
+                t = time.perf_counter()
+                if step + 1 < cfg.steps and nxt is None:
+                    nxt = self._generate_sync(step + 1)
+                batch, generation = nxt, time.perf_counter() - t
             self.drain()
             self.loop_s = time.perf_counter() - loop_started
             self.final = self.final_check()
