@@ -488,14 +488,18 @@ class ChaosLoop:
         and be caught up (a refit of the current version: the trainer's weights have not moved)."""
         while (batch := self.generate(step)) is None:
             self._poll_starts(START_TIMEOUT_S + 30)
-            seconds = self._reconnect()
-            self.rig.trainers.all("refit", RESHARD, self.version, None)
-            for slot in self.fleet.group():
-                slot.version = self.version
-            self._admit(step)
-            self._note(step, f"no engine served: caught the new ones up to version {self.version} "
-                             f"(reconnect {seconds:.1f} s)")
+            self._catch_up(step, "no engine served: caught the new ones up")
         return batch
+
+    def _catch_up(self, step: int, why: str) -> None:
+        """A session with the engines now and a refit of the version committed (the trainer's weights
+        have not moved since), so that the joiners hold it; then they are admitted."""
+        seconds = self._reconnect()
+        self.rig.trainers.all("refit", RESHARD, self.version, None)
+        for slot in self.fleet.group():
+            slot.version = self.version
+        self._admit(step)
+        self._note(step, f"{why} to version {self.version} (reconnect {seconds:.1f} s)")
 
     def drain(self) -> None:
         """After the last step: engines still coming up join and are caught up (a refit of the last
@@ -504,13 +508,7 @@ class ChaosLoop:
         if self.starts:
             self._poll_starts(START_TIMEOUT_S + 30)  # each start is bounded by START_TIMEOUT_S itself
         if self.fleet.where(JOINING):
-            seconds = self._reconnect()
-            self.rig.trainers.all("refit", RESHARD, self.version, None)
-            for slot in self.fleet.group():
-                slot.version = self.version
-            self._admit(step)
-            self._note(step, f"after the last step: joiners caught up to version {self.version} (reconnect "
-                             f"{seconds:.1f} s)")
+            self._catch_up(step, "after the last step: joiners caught up")
         self._membership(step)
         if self.leaving:
             self._reconnect()

@@ -195,6 +195,11 @@ def run_command(args) -> int:
         console.print(report.pause_table(with_refit))
     if with_refit is not None:
         files.append(report.plot_step_times(with_refit, out / "rl_step_time.png"))
+    return _write_json(console, runs, files, out, start)
+
+
+def _write_json(console, runs: dict, files: list, out: Path, start: float) -> int:
+    """Every run's records in ``rl_run.json``; the files written and the total time, printed."""
     (out / "rl_run.json").write_text(json.dumps({k: r.to_json() for k, r in runs.items()}, indent=1))
     files.append(out / "rl_run.json")
     for f in files:
@@ -234,12 +239,7 @@ def _fleet_command(console, args, out: Path, log: str, start: float) -> int:
         files.append(chaos_report.plot(runs, out / "rl_chaos.png"))
     console.print(chaos_report.checks_line(clean).replace("checks:", "checks (fault-free):", 1), highlight=False)
     files.append(report.plot_rewards(runs, out / "rl_reward.png"))
-    (out / "rl_run.json").write_text(json.dumps({k: r.to_json() for k, r in runs.items()}, indent=1))
-    files.append(out / "rl_run.json")
-    for f in files:
-        console.print(f"wrote {f}", highlight=False)
-    console.print(f"total {time.perf_counter() - start:.0f} s", highlight=False)
-    return 0
+    return _write_json(console, runs, files, out, start)
 
 
 def _print_comparison(console, runs: dict) -> None:
