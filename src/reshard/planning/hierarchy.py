@@ -119,7 +119,7 @@ def domain_need_bytes(destination: Layout, domains: Mapping[int, int]) -> dict[i
     {0: 64, 1: 64}
     """
     dom = domain_array(domains, destination.ranks)
-    tensors: dict[tuple, list] = {}  # (geometry, itemsize) -> [a table, how many tensors]; in tensor order
+    tensors: dict[tuple, list] = {}  # (geometry, itemsize) -> [a table, how many tensors, its dtypes]; in tensor order
     for name, t in destination.tables.items():
         if not len(t):
             continue
@@ -261,7 +261,7 @@ def split_across_replicas(receivers: Layout, source: Layout, split_bytes: int) -
     >= 2 into one part per source replica of its tensor (so the planner can take each part
     from another replica)."""
     tables = dict(receivers.tables)
-    copies: dict = {}  # source tables of one geometry hold as many copies
+    copies: dict = {}  # source tables with the same boxes hold as many copies
     for name, t in receivers.tables.items():
         if not len(t):
             continue
