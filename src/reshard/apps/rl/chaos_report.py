@@ -54,7 +54,7 @@ def goodput_table(chaos_run: RunResult, clean: RunResult) -> Table:
     faults = chaos_run.chaos.get("faults", [])
     for kind in dict.fromkeys(f["kind"] for f in faults):
         mine = [f for f in faults if f["kind"] == kind]
-        hit = sorted({_hit_step(f, steps) for f in mine} - {None})
+        hit = sorted({_hit_step(f, steps, chaos_run.config.asynchronous) for f in mine} - {None})
         times = [steps[k].total for k in hit]
         mean = statistics.fmean(times) if times else None
         lost = sum(t - clean_step for t in times) if times else None
@@ -71,10 +71,13 @@ def goodput_table(chaos_run: RunResult, clean: RunResult) -> Table:
     return table
 
 
-def _hit_step(fault: dict, steps: dict) -> int | None:
+def _hit_step(fault: dict, steps: dict, asynchronous: bool = False) -> int | None:
     """The step whose record shows a fault's cost: the one it was scheduled in (an engine fault fires as
-    that step's batch starts; a trainer fault in that step's refit; a shrink's reconnect is in it)."""
-    return fault["step"] if fault["step"] in steps else None
+    that step's batch starts; a trainer fault in that step's refit; a shrink's reconnect is in it). In
+    the asynchronous loop batch k is generated beside step k-1's training, so an engine fault of step
+    k shows in step k-1."""
+    step = fault["step"] - (asynchronous and fault["kind"] in ("kill-engine", "stall-engine", "unplanned"))
+    return step if step in steps else None
 
 
 def _mean(values) -> str:
@@ -150,7 +153,7 @@ def plot(runs: dict[str, RunResult], png: str | Path) -> Path:
             starts[s.step] = t
             t += s.total
         for f in chaos_run.chaos["faults"]:
-            x = starts.get(_hit_step(f, starts) or 0, 0.0)
+            x = starts.get(_hit_step(f, starts, chaos_run.config.asynchronous) or 0, 0.0)
             for ax in (top, bottom):
                 ax.axvline(x, color="red", alpha=0.3, linewidth=1)
             top.annotate(f["kind"], (x, 1.0), rotation=90, fontsize=6, va="top", color="red")

@@ -232,9 +232,10 @@ def _fleet_command(console, args, out: Path, log: str, start: float) -> int:
         console.print(chaos_report.step_table(chaotic, clean))
         console.print(chaos_report.goodput_table(chaotic, clean))
         rates = chaos_report.throughput_by_engines(chaotic)
-        console.print("generation throughput by engines serving (median tokens/s of the steps without a fault in "
-                      "their generation): " + ", ".join(f"{n} engine{'s' if n > 1 else ''}: {r:.0f}"
-                                                        for n, r in rates.items()), highlight=False)
+        if not args.asynchronous:  # async: a batch's generation is hidden behind the training, not timed alone
+            console.print("generation throughput by engines serving (median tokens/s of the steps without a fault in "
+                          "their generation): " + ", ".join(f"{n} engine{'s' if n > 1 else ''}: {r:.0f}"
+                                                            for n, r in rates.items()), highlight=False)
         console.print(chaos_report.checks_line(chaotic), highlight=False)
         files.append(chaos_report.plot(runs, out / "rl_chaos.png"))
     console.print(chaos_report.checks_line(clean).replace("checks:", "checks (fault-free):", 1), highlight=False)
