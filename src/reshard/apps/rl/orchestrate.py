@@ -317,15 +317,19 @@ def local_cluster(path: str, *, trainers: int, tp: int, lr: float, seed: int, ti
     up = threading.Event()  # the cluster is up: later engines start one at a time (two vLLM starts on
     # the same cores each take longer than both in turn)
 
+    started = [0]  # engines started so far: engine i's workers are bound from core i * tp on
+
     def start_engine() -> LocalActor:
         engine_id = secrets.token_hex(6)
+        with lock:
+            first_core, started[0] = started[0] * tp, started[0] + 1
         if up.is_set():
             with one_at_a_time:
-                return _start(engine_id)
-        return _start(engine_id)
+                return _start(engine_id, first_core)
+        return _start(engine_id, first_core)
 
-    def _start(engine_id: str) -> LocalActor:
-        actor = LocalActor.start("reshard.apps.rl.rollout:RolloutEngine", path, tp, seed,
+    def _start(engine_id: str, first_core: int) -> LocalActor:
+        actor = LocalActor.start("reshard.apps.rl.rollout:RolloutEngine", path, tp, seed, first_core=first_core,
                                  env={**env, ENGINE_ENV: engine_id}, log=log)
         actor.engine_id = engine_id
         with lock:

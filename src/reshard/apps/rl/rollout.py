@@ -37,21 +37,28 @@ from .batch_gate import BatchGate
 VERSION0 = "0"  # the engine's weight version at start: the checkpoint both sides loaded
 
 
-def engine_env(tp: int) -> dict[str, str]:
+def engine_env(tp: int, first_core: int = 0) -> dict[str, str]:
     """The environment a CPU vLLM engine of ``tp`` workers needs here (set before vLLM is imported):
-    1 GiB of KV cache, workers bound to cores ``0..tp-1`` (modulo the cores there are), quiet logs,
-    no hub, ``collective_rpc`` with functions (engine digests)."""
+    1 GiB of KV cache, workers bound to cores ``first_core..first_core+tp-1`` (modulo the cores there
+    are: several engines spread over them), quiet logs, no hub, ``collective_rpc`` with functions
+    (engine digests).
+
+    >>> cores = os.cpu_count() or 1
+    >>> engine_env(2, first_core=1)["VLLM_CPU_OMP_THREADS_BIND"] == f"{1 % cores}|{2 % cores}"
+    True
+    """
     cores = os.cpu_count() or 1
+    bind = "|".join(str((first_core + r) % cores) for r in range(tp))
     return {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", "HF_HUB_OFFLINE": "1",
-            "VLLM_LOGGING_LEVEL": "ERROR", "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(r % cores) for r in range(tp)),
-            "TOKENIZERS_PARALLELISM": "false"}
+            "VLLM_LOGGING_LEVEL": "ERROR", "VLLM_CPU_OMP_THREADS_BIND": bind, "TOKENIZERS_PARALLELISM": "false"}
 
 
 class RolloutEngine:
     """An offline vLLM engine for rollouts and refits (see module doc)."""
 
-    def __init__(self, path: str, tp: int, seed: int = 0, max_model_len: int = 128, timeout_s: float = 300.0) -> None:
-        os.environ.update(engine_env(tp))
+    def __init__(self, path: str, tp: int, seed: int = 0, max_model_len: int = 128, timeout_s: float = 300.0,
+                 first_core: int = 0) -> None:
+        os.environ.update(engine_env(tp, first_core))
         from vllm import LLM
         from vllm.config import WeightTransferConfig
 
