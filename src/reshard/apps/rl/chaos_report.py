@@ -96,7 +96,8 @@ def step_table(chaos_run: RunResult, clean: RunResult) -> Table:
     tokens = chaos_run.config.prompts * chaos_run.config.group * chaos_run.config.max_tokens
     for s, f in zip(chaos_run.steps, chaos_run.chaos.get("fleet", [])):
         events = "; ".join(e if len(e) < 70 else e[:67] + "..." for e in f["events"])
-        rate = f"{tokens / s.generation:.0f}" if s.generation > 0.01 else "-"  # async: generated in the background
+        # async: the batch is generated beside the training; gen is only the wait for it, not a rate
+        rate = f"{tokens / s.generation:.0f}" if s.generation > 0.01 and not chaos_run.config.asynchronous else "-"
         table.add_row(str(s.step), ",".join(f["engines"]), events, f"{s.generation:.2f}", rate, f"{s.training:.2f}",
                       f"{s.refit:.2f}", f"{f['reconnect_s']:.2f}", str(f["refit_attempts"]), f"{s.total:.2f}",
                       _s(clean_total.get(s.step), 2))
