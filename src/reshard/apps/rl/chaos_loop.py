@@ -102,7 +102,6 @@ class ChaosLoop:
         self.lock = threading.RLock()
         self.version = VERSION0
         self.rollouts = 0
-        self.regrown = False
         self.reconnect_needed = False
         self.timers: list[threading.Timer] = []
         self.step_events: dict[int, list[str]] = {}
@@ -141,17 +140,18 @@ class ChaosLoop:
                     record.outcome = f"replacement failed to start: {error}"
                 continue
             self.starts.remove((slot, future, record))
-            slot.actor = actor
+            slot.actor, slot.record = actor, record
             slot.version = VERSION0
             slot.workers = actor.call("worker_pids").result(self.cfg.timeout_s)
-            self._warm_up(actor)
+            self._warm_up([actor])
             self.fleet.set(slot, JOINING, self.now())
             self.reconnect_needed = True
 
-    def _warm_up(self, actor) -> None:
-        """One tiny batch on a new engine, bounded by the call timeout, so that its first real batch
-        (oneDNN's first kernels take seconds here) is not mistaken for a stall."""
-        actor.call("generate", [[1, 2, 3]], 1, 2, 1.0, [0]).result(self.cfg.timeout_s)
+    def _warm_up(self, actors: list) -> None:
+        """One tiny batch on each new engine (all at once), bounded by the call timeout, so that its first
+        real batch (oneDNN's first kernels take seconds here) is not mistaken for a stall."""
+        for result in [actor.call("generate", [[1, 2, 3]], 1, 2, 1.0, [0]) for actor in actors]:
+            result.result(self.cfg.timeout_s)
 
     def _fence(self, slot: EngineSlot, error: BaseException, step: int) -> None:
         """An engine that failed a call: every process of it killed, out of the group, a replacement started."""
@@ -258,9 +258,10 @@ class ChaosLoop:
 
     # ------------------------------------------------------------------ generation
 
-    def generate(self, step: int) -> tuple[list[list[dict]], list[str]] | None:
-        """The batch of ``step``: every prompt's group from a serving engine, each rollout checked
-        (module doc, 4). None if every engine was lost and none can take over now (async)."""
+    def generate(self, step: int) -> tuple[list[list[int]], list[list[dict]], list[str]] | None:
+        """The batch of ``step``: its prompts (token ids), every prompt's group from a serving engine,
+        each rollout checked (module doc, 4), and the engine of each. None if every engine was lost and
+        none can take over now (async)."""
         from .loop import step_prompts
 
         cfg = self.cfg
@@ -290,17 +291,18 @@ class ChaosLoop:
                     done[i] = (group, slot.key)
             todo = [i for i in todo if i not in done]
         self.rollouts += sum(len(group) for group, _ in done.values())
-        return [done[i][0] for i in range(len(prompts))], [done[i][1] for i in range(len(prompts))]
+        return prompts, [done[i][0] for i in range(len(prompts))], [done[i][1] for i in range(len(prompts))]
 
     def _check(self, slot: EngineSlot, group: list[dict]) -> None:
         """Every completion labelled, token for token, with the version its engine committed; the engine serving."""
+        from .loop import VersionError, batch_version
+
         if slot.state != SERVING:
             raise RolloutCheckError(f"rollouts from {slot.key}, which is {slot.state}")
-        for c in group:
-            spans = c["versions"]
-            if sum(end - start for _, start, end in spans) != len(c["ids"]) or {v for v, _, _ in spans} != {slot.version}:
-                raise RolloutCheckError(f"a rollout of {slot.key} carries versions {spans}; it committed "
-                                        f"{slot.version!r}")
+        try:
+            batch_version([group], slot.version)
+        except VersionError as error:
+            raise RolloutCheckError(f"rollouts of {slot.key}: {error}") from None
 
     # ------------------------------------------------------------------ refit
 
@@ -357,13 +359,12 @@ class ChaosLoop:
                 break
             except Exception as error:  # noqa: BLE001 - reached every rank; a new session, then again
                 failed_at = self.now()
-                text = str(error)
-                lines = [line.strip() for line in text.splitlines() if line.strip()]
+                lines = [line.strip() for line in str(error).splitlines() if line.strip()]
                 summary = next((line for line in reversed(lines) if "Error:" in line), lines[-1] if lines else "")
-                self._note(step, f"refit to {version} failed (attempt {attempt}): {summary.strip()[:160]}")
+                self._note(step, f"refit to {version} failed (attempt {attempt}): {summary[:160]}")
                 for r in armed:
                     if r.detected is None:
-                        r.detected, r.detail = failed_at, f"{r.detail}; {summary.strip()[:160]}"
+                        r.detected, r.detail = failed_at, f"{r.detail}; {summary[:160]}"
                 self._probe(step)
                 self.reconnect_needed = True
         else:
@@ -409,9 +410,8 @@ class ChaosLoop:
                        "the first of the engines caught up together: version label checked" if peers else
                        "no other engine: version label checked")
             self._note(step, f"{slot.key} caught up to version {self.version} ({checked}); serving")
-            for r in self.faults:
-                if r.outcome.endswith(slot.key) or (r.kind == "grow" and r.target == slot.key):
-                    r.recovered = self.now()
+            if slot.record is not None:  # the fault it replaces an engine for, or its grow
+                slot.record.recovered = self.now()
 
     # ------------------------------------------------------------------ the steps
 
@@ -419,8 +419,7 @@ class ChaosLoop:
         from .loop import StepRecord, scored, shards
 
         cfg, rig = self.cfg, self.rig
-        for result in [slot.actor.call("generate", [[1, 2, 3]], 1, 2, 1.0, [0]) for slot in self.fleet.serving()]:
-            result.result(cfg.timeout_s)  # warm-up (see _warm_up), every engine at once
+        self._warm_up([slot.actor for slot in self.fleet.serving()])
         self.connect_s = self.connect()
         records, self.fleet_steps = [], []
         bound = step_bound_s(cfg)
@@ -433,13 +432,13 @@ class ChaosLoop:
             for step in range(cfg.steps):
                 # a step's time runs from the end of the one before to the end of its refit: batch k is
                 # generated in it (sync) or beside the training before it (async: the wait for it counts)
-                groups, engines = batch
+                prompts, groups, engines = batch
                 version = self._version_of(groups)
                 staleness = step - int(version)
                 if not 0 <= staleness <= (1 if cfg.asynchronous else 0):
                     raise RolloutCheckError(f"step {step} trains on version {version}: staleness {staleness}")
                 fleet_step = FleetStep(step, sorted(set(engines)), staleness=staleness)
-                rewards, samples, num_tokens = scored(rig.task, step_prompts_of(self, step), groups)
+                rewards, samples, num_tokens = scored(rig.task, prompts, groups)
                 ahead: Future | None = None
                 if cfg.asynchronous and step + 1 < cfg.steps:
                     ahead = thread_future(lambda: self.generate(step + 1))
@@ -553,12 +552,6 @@ class ChaosLoop:
                 "final": getattr(self, "final", None), "connect_s": getattr(self, "connect_s", None),
                 "after_last_step": getattr(self, "drained", []), "loop_s": getattr(self, "loop_s", None),
                 "deferred": [asdict(e) for e in self.deferred]}
-
-
-def step_prompts_of(loop: ChaosLoop, step: int) -> list[list[int]]:
-    from .loop import step_prompts
-
-    return step_prompts(loop.cfg, step, loop.rig.task, loop.rig.tokenizer)[0]
 
 
 def run(cfg, **options):

@@ -54,6 +54,7 @@ class EngineSlot:
     since: dict[str, float] = field(default_factory=dict)
     workers: list[int] = field(default_factory=list)  # its vLLM workers' pids
     reason: str = ""  # why it is dead or left
+    record: Any = None  # the FaultRecord it came up for (a replacement, a grow), done once it serves
 
 
 @dataclass
