@@ -293,10 +293,11 @@ def plan_parser(sub) -> argparse.ArgumentParser:
                         "of it each (two are in flight), so the plan stages what a refit session given the same "
                         "cap stages (default: none)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the gather-and-broadcast byte count")
-    parser.add_argument("--precision", choices=("bf16", "fp8"), default="bf16",
-                   help="destination precision: bf16 (default: the inference layout's dtype, as vLLM loads it) or "
+    parser.add_argument("--precision", choices=("bf16", "fp8", "mxfp8"), default="bf16",
+                   help="destination precision: bf16 (default: the inference layout's dtype, as vLLM loads it), "
                         "fp8 (e4m3 with one float32 scale per 128x128 block for the linear weights; routers, norms, "
-                        "embeddings and the head kept): plans the refit straight into FP8 engines, each block "
+                        "embeddings and the head kept) or mxfp8 (OCP MX: e4m3 with one E8M0 scale per 32 elements "
+                        "along the input dim, vLLM's weight_scale): plans the refit straight into FP8 engines, each block "
                         "quantized where it is whole (a source rank, else the destination); the tables and --json "
                         "report its wire bytes, by precision (fp8, scales, raw, other), and where blocks are "
                         "quantized; a destination split through a block is an error naming the tensor")

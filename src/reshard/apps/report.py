@@ -75,10 +75,12 @@ def render_precision(summary: dict, console) -> None:
     gb = 1e9
     s, f = summary["precision"], summary["fp8"]
     w = s["wire_bytes_by_precision"]
-    t = Table(title="FP8 destination (e4m3, one scale per 128x128 block): wire by precision")
+    mx = "uint8" in s["wire_bytes_by_dtype"]  # MXFP8's E8M0 scales
+    t = Table(title="FP8 destination (" + ("MXFP8: e4m3, one E8M0 scale per 1x32 block" if mx else
+                                           "e4m3, one scale per 128x128 block") + "): wire by precision")
     for col in ("crosses as", "reshard wire GB"):
         t.add_column(col, justify="right" if col != "crosses as" else "left")
-    for key, label in (("fp8", "fp8 values (blocks quantized at a source)"), ("scales", "their float32 scales"),
+    for key, label in (("fp8", "fp8 values (blocks quantized at a source)"), ("scales", "their E8M0 scales" if mx else "their float32 scales"),
                        ("raw", "raw blocks in the source's precision (quantized at the destination)"),
                        ("other", "other tensors (kept: routers, norms, embeddings, head)")):
         t.add_row(label, f"{w[key] / gb:.3f}")

@@ -56,7 +56,7 @@ def run_quant_task(task: QuantTask, read: Buffers, write: Buffers) -> None:
     x = buffer_view(read[task.src_buffer], task.src_offsets, task.sizes)
     q = buffer_view(write[task.q_buffer], task.q_offsets, task.sizes)
     s = buffer_view(write[task.s_buffer], task.s_offsets, grid_shape(task.sizes, task.block))
-    quantize_into(x, q, s, task.block, task.ue8m0)
+    quantize_into(x, q, s, task.block, task.ue8m0, task.mx)
 
 
 def staging(plan: PrecisionPlan, rank: int, side: str, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
@@ -250,7 +250,7 @@ class PrecisionExecutor(Executor):
         written = 0
         for task in tasks:
             run_quant_task(task, read, write)
-            written += task.sizes[0] * task.sizes[1] + 4 * task.blocks
+            written += task.sizes[0] * task.sizes[1] + (1 if task.mx else 4) * task.blocks
         synchronize(device)
         staged = sum(t.numel() * t.element_size() for t in stage.values())
         return PhaseStats(step, time.perf_counter() - start, 0, 0, written, staged, 0, 0)

@@ -25,7 +25,8 @@ from typing import Union
 import torch
 
 from ..layout import Layout
-from ..quant import DEFAULT_BLOCK, check_block
+from ..quant import (DEFAULT_BLOCK, MX_BLOCK, MX_SCALE_DTYPE, MX_SCALE_SUFFIX, SCALE_DTYPE, SCALE_SUFFIX,
+                     check_block)
 from ..tensors import TensorSpec, dtype_name
 
 
@@ -66,6 +67,55 @@ class FP8Block:
 
     def __str__(self) -> str:
         return f"fp8:{self.block[0]}x{self.block[1]}" + (":ue8m0" if self.ue8m0 else "")
+
+    #: whether the scales are MX E8M0 codes (:class:`MXFP8Block`) rather than float32 multipliers
+    mx = False
+
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        """The dtype of the block scales: float32 (``<name>_scale_inv``)."""
+        return SCALE_DTYPE
+
+    @property
+    def scale_suffix(self) -> str:
+        return SCALE_SUFFIX
+
+    def scale_name(self, name: str) -> str:
+        """The name of tensor (or buffer) ``name``'s scales: ``<name>_scale_inv`` (``<name>_scale`` for MXFP8)."""
+        return name + self.scale_suffix
+
+
+@dataclass(frozen=True)
+class MXFP8Block(FP8Block):
+    """MXFP8 (OCP Microscaling v1.0): float8_e4m3fn with one E8M0 scale (uint8 biased exponent) per
+    32 elements along the last dim, the reduction dim of a linear weight ``[out, in]``: block
+    ``(1, 32)``; the scales are ``<name>_scale`` (vLLM's ``weight_scale``), shape ``[out, in / 32]``. The
+    rule is :func:`reshard.quant.quantize_mx`.
+
+    >>> p = MXFP8Block()
+    >>> str(p), p.block, p.scale_dtype, p.scale_name("w")
+    ('mxfp8:1x32', (1, 32), torch.uint8, 'w_scale')
+    """
+
+    block: tuple[int, int] = MX_BLOCK
+    mx = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.block != MX_BLOCK or self.ue8m0:
+            raise ValueError(f"MXFP8Block takes no options: its blocks are 1x32 with E8M0 scales, got block "
+                             f"{self.block}, ue8m0={self.ue8m0}")
+
+    def __str__(self) -> str:
+        return "mxfp8:1x32"
+
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        return MX_SCALE_DTYPE
+
+    @property
+    def scale_suffix(self) -> str:
+        return MX_SCALE_SUFFIX
 
 
 Precision = Union[Keep, Cast, FP8Block]
@@ -156,20 +206,35 @@ class DtypePolicy:
         return cls(tuple((pattern, KEEP) for pattern in keep) + tuple((pattern, fp8) for pattern in FP8_PATTERNS))
 
     @classmethod
+    def mxfp8(cls, keep: Iterable[str] = ()) -> "DtypePolicy":
+        """MXFP8 (:class:`MXFP8Block`) for the linear weights (:data:`FP8_PATTERNS`), the rest kept; names
+        matching ``keep`` are kept too.
+
+        >>> str(DtypePolicy.mxfp8()(TensorSpec("model.layers.0.mlp.down_proj.weight", (64, 64), torch.bfloat16)))
+        'mxfp8:1x32'
+        """
+        if isinstance(keep, str):
+            keep = [keep]
+        mx = MXFP8Block()
+        return cls(tuple((pattern, KEEP) for pattern in keep) + tuple((pattern, mx) for pattern in FP8_PATTERNS))
+
+    @classmethod
     def named(cls, precision: str) -> "DtypePolicy":
-        """The policies of ``--precision``: ``fp8`` (:meth:`fp8`), ``bf16`` / ``fp16`` / ``fp32`` (every
-        floating tensor cast; integer tensors kept), ``keep``.
+        """The policies of ``--precision``: ``fp8`` (:meth:`fp8`), ``mxfp8`` (:meth:`mxfp8`), ``bf16`` / ``fp16`` /
+        ``fp32`` (every floating tensor cast; integer tensors kept), ``keep``.
 
         >>> str(DtypePolicy.named("bf16")(TensorSpec("w", (2,), torch.float32)))
         'cast:bfloat16'
         """
         if precision == "fp8":
             return cls.fp8()
+        if precision == "mxfp8":
+            return cls.mxfp8()
         if precision == "keep":
             return cls()
         dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
         if precision not in dtypes:
-            raise ValueError(f"unknown precision {precision!r}; choose one of fp8, bf16, fp16, fp32, keep")
+            raise ValueError(f"unknown precision {precision!r}; choose one of fp8, mxfp8, bf16, fp16, fp32, keep")
         cast = Cast(dtypes[precision])
         predicate = lambda spec: cast if spec.dtype.is_floating_point else KEEP  # noqa: E731
         # :attr:`key` names a predicate by module and qualified name; this one keeps the module it was
@@ -199,8 +264,8 @@ def as_policy(policy) -> DtypePolicy:
         return policy
     if isinstance(policy, str):
         return DtypePolicy.named(policy)
-    raise ValueError(f"dtype policy {policy!r}: expected a DtypePolicy or one of 'fp8', 'bf16', 'fp16', 'fp32', "
-                     f"'keep'")
+    raise ValueError(f"dtype policy {policy!r}: expected a DtypePolicy or one of 'fp8', 'mxfp8', 'bf16', 'fp16', "
+                     f"'fp32', 'keep'")
 
 
 def layout_precisions(destination: Layout, policy: DtypePolicy | str | None = None) -> dict[str, Precision]:
@@ -209,5 +274,5 @@ def layout_precisions(destination: Layout, policy: DtypePolicy | str | None = No
     return {name: policy(spec) for name, spec in destination.specs.items()}
 
 
-__all__ = ["Cast", "DtypePolicy", "FP8Block", "FP8_PATTERNS", "KEEP", "Keep", "Precision", "as_policy",
+__all__ = ["Cast", "DtypePolicy", "FP8Block", "FP8_PATTERNS", "KEEP", "Keep", "MXFP8Block", "Precision", "as_policy",
            "is_precision", "layout_precisions"]

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..layout import PieceTable, Repeated
-from ..quant import SCALE_SUFFIX, grid_shape
+from ..quant import MX_SCALE_SUFFIX, SCALE_SUFFIX, grid_shape
 from .dtype_policy import FP8Block
 
 FP8_STAGING = "@fp8/"  # source staging: <tensor>@fp8/<k>, <tensor>_scale_inv@fp8/<k>
@@ -142,9 +142,9 @@ def block_geometry(shape, block, source: PieceTable, destination: PieceTable, *,
 
 
 def carried_tensor(wire_name: str) -> str:
-    """The destination tensor a wire tensor carries part of: ``w`` for ``w``, ``w_scale_inv`` and
-    ``w@raw``."""
-    for suffix in (RAW_SUFFIX, SCALE_SUFFIX):
+    """The destination tensor a wire tensor carries part of: ``w`` for ``w``, ``w_scale_inv``, ``w_scale``
+    (MXFP8's scales) and ``w@raw``."""
+    for suffix in (RAW_SUFFIX, SCALE_SUFFIX, MX_SCALE_SUFFIX):
         if wire_name.endswith(suffix):
             return wire_name[: -len(suffix)]
     return wire_name

@@ -22,7 +22,7 @@ import torch
 
 from ..gc_pause import without_gc
 from ..layout import Layout, PieceTable, Repeated
-from ..quant import FP8_DTYPE, SCALE_DTYPE, SCALE_SUFFIX, grid_shape, scale_name
+from ..quant import FP8_DTYPE, MX_SCALE_SUFFIX, SCALE_SUFFIX, grid_shape
 from ..tensors import LayoutError, TensorSpec, box_str, dtype_name
 from .dtype_policy import KEEP, Cast, DtypePolicy, FP8Block, Precision, layout_precisions
 
@@ -60,16 +60,17 @@ def check_whole_blocks(name: str, table: PieceTable, shape, block) -> None:
         f"boundaries of its buffer (vLLM's block-FP8 layers refuse such tensor-parallel splits too)")
 
 
-def scale_table(table: PieceTable, block) -> PieceTable:
-    """The ``_scale_inv`` pieces of an FP8 tensor's (whole-block) destination pieces."""
+def scale_table(table: PieceTable, block, suffix: str = SCALE_SUFFIX) -> PieceTable:
+    """The ``_scale_inv`` pieces (``suffix``: ``_scale`` for MXFP8) of an FP8 tensor's (whole-block)
+    destination pieces."""
     block_size = np.array(block, np.int64)
     grid_lo = table.offsets // block_size
     grid_hi = -(-(table.offsets + table.sizes) // block_size)
     buffer_offsets = table.buffer_offsets.copy()
     buffer_offsets[:, -2:] //= block_size
     one = table.one_buffer()
-    names = (Repeated(scale_name(one), len(table)) if one is not None
-             else tuple(scale_name(buffer) for buffer in table.buffers))
+    names = (Repeated(one + suffix, len(table)) if one is not None
+             else tuple(buffer + suffix for buffer in table.buffers))
     return PieceTable(table.ranks, grid_lo, grid_hi - grid_lo, names, buffer_offsets)
 
 
@@ -82,8 +83,8 @@ def _check_precisions(destination: Layout, precisions: Mapping[str, Precision]) 
             if len(spec.shape) != 2 or not spec.dtype.is_floating_point:
                 raise LayoutError(f"tensor {name!r}: block FP8 takes 2-D floating tensors, this one is "
                                   f"{dtype_name(spec.dtype)} of shape {spec.shape} (keep or cast it instead)")
-            if scale_name(name) in destination.specs:
-                raise LayoutError(f"tensor {name!r}: its scale tensor {scale_name(name)!r} is a destination tensor "
+            if precision.scale_name(name) in destination.specs:
+                raise LayoutError(f"tensor {name!r}: its scale tensor {precision.scale_name(name)!r} is a destination tensor "
                                   f"already")
         elif isinstance(precision, Cast) and (precision.dtype.is_floating_point != spec.dtype.is_floating_point):
             raise LayoutError(f"tensor {name!r}: cannot cast {dtype_name(spec.dtype)} to {dtype_name(precision.dtype)}")
@@ -134,12 +135,13 @@ def _engine_tensors(destination: Layout, precisions: Mapping[str, Precision]
             continue
         check_whole_blocks(name, table, spec.shape, precision.block)
         specs[name], tables[name] = TensorSpec(name, spec.shape, FP8_DTYPE), table
-        key = (id(table.offsets), id(table.sizes), id(table.buffer_offsets), table.one_buffer(), precision.block)
+        key = (id(table.offsets), id(table.sizes), id(table.buffer_offsets), table.one_buffer(), precision.block,
+               precision.scale_suffix)
         scales = scale_tables.get(key)
-        if scales is None or scales.buffers != tuple(scale_name(buffer) for buffer in table.buffers):
-            scales = scale_tables[key] = scale_table(table, precision.block)
-        scale = scale_name(name)
-        specs[scale] = TensorSpec(scale, grid_shape(spec.shape, precision.block), SCALE_DTYPE)
+        if scales is None or scales.buffers != tuple(precision.scale_name(buffer) for buffer in table.buffers):
+            scales = scale_tables[key] = scale_table(table, precision.block, precision.scale_suffix)
+        scale = precision.scale_name(name)
+        specs[scale] = TensorSpec(scale, grid_shape(spec.shape, precision.block), precision.scale_dtype)
         tables[scale] = scales
     return specs, tables
 
@@ -157,10 +159,11 @@ def _engine_buffers_of_rank(rank: int, named: BufferDescs, by_buffer: Mapping[st
                 raise LayoutError(f"rank {rank} buffer {buffer!r}: block FP8 needs buffers of 2 or more dims, "
                                   f"this one has shape {shape}")
             out[buffer] = (shape, FP8_DTYPE)
-            out[scale_name(buffer)] = (tuple(shape[:-2]) + grid_shape(shape[-2:], precision.block), SCALE_DTYPE)
+            out[precision.scale_name(buffer)] = (tuple(shape[:-2]) + grid_shape(shape[-2:], precision.block),
+                                                 precision.scale_dtype)
         else:
             out[buffer] = (shape, dtype)
-    clash = [buffer for buffer in out if buffer.endswith(SCALE_SUFFIX) and buffer in named
+    clash = [buffer for buffer in out if buffer.endswith((SCALE_SUFFIX, MX_SCALE_SUFFIX)) and buffer in named
              and out[buffer] != named[buffer]]
     if clash:
         raise LayoutError(f"rank {rank} buffer {clash[0]!r}: the name of an FP8 buffer's scales is taken by "

@@ -55,10 +55,10 @@ import torch
 
 from ..gc_pause import without_gc
 from ..layout import Layout, PieceTable, Repeated
-from ..quant import FP8_DTYPE, SCALE_DTYPE, SCALE_SUFFIX, scale_name
+from ..quant import FP8_DTYPE
 from ..tensors import LayoutError, TensorSpec, dtype_name
-from .dtype_policy import (FP8_PATTERNS, KEEP, Cast, DtypePolicy, FP8Block, Keep, Precision, as_policy,
-                           layout_precisions)
+from .dtype_policy import (FP8_PATTERNS, KEEP, Cast, DtypePolicy, FP8Block, Keep, MXFP8Block, Precision,
+                           as_policy, layout_precisions)
 from .fp8_blocks import (FP8_STAGING, RAW_SUFFIX, BlockGeometry, Fp8Tensor, block_geometry, element_boxes,
                          staging_names)
 from .fp8_layout import check_whole_blocks, precision_layout
@@ -108,20 +108,21 @@ class _WireTensors:
         geometry, name, block = info.geometry, info.name, info.block
         if not len(geometry.fp8_rows):
             return
-        shape, scale = destination.specs[name].shape, scale_name(name)
+        shape, scale = destination.specs[name].shape, info.precision.scale_name(name)
+        scale_dtype = info.precision.scale_dtype
         offsets, sizes = element_boxes(geometry.whole_lo, geometry.whole_hi, shape, block)
         grid_sizes = geometry.whole_hi - geometry.whole_lo
         self.source_specs[name] = TensorSpec(name, shape, FP8_DTYPE)
         self.source_tables[name] = PieceTable(info.whole_ranks, offsets, sizes, info.whole_names,
                                               np.zeros_like(offsets))
-        self.source_specs[scale] = TensorSpec(scale, geometry.grid, SCALE_DTYPE)
+        self.source_specs[scale] = TensorSpec(scale, geometry.grid, scale_dtype)
         scale_names = staging_names(scale + FP8_STAGING, info.whole_ranks)  # the k-th of a rank: its k-th values'
         self.source_tables[scale] = PieceTable(info.whole_ranks, geometry.whole_lo, grid_sizes, scale_names,
                                                np.zeros_like(geometry.whole_lo))
         for rank, values_buffer, scales_buffer, size, grid_size in zip(
                 info.whole_ranks.tolist(), info.whole_names, scale_names, sizes.tolist(), grid_sizes.tolist()):
             self.source_staging[rank][values_buffer] = (tuple(size), FP8_DTYPE)
-            self.source_staging[rank][scales_buffer] = (tuple(grid_size), SCALE_DTYPE)
+            self.source_staging[rank][scales_buffer] = (tuple(grid_size), scale_dtype)
         rows = geometry.fp8_rows
         offsets, sizes = element_boxes(geometry.fp8_lo, geometry.fp8_hi, shape, block)
         self.destination_specs[name] = destination.specs[name]
@@ -276,16 +277,20 @@ class PrecisionPlan:
         """Bytes between ranks by what they are: ``fp8`` (values quantized at a source), ``scales`` (theirs),
         ``raw`` (blocks crossing in the source's precision) and ``other`` (kept or cast tensors)."""
         out = {"fp8": 0, "scales": 0, "raw": 0, "other": 0}
+        scales = self._scale_names()
         for name, nbytes in self._tensor_wire_bytes().items():
             if name.endswith(RAW_SUFFIX):
                 out["raw"] += nbytes
             elif name in self.fp8:
                 out["fp8"] += nbytes
-            elif name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in self.fp8:
+            elif name in scales:
                 out["scales"] += nbytes
             else:
                 out["other"] += nbytes
         return out
+
+    def _scale_names(self) -> set[str]:
+        return {info.precision.scale_name(name) for name, info in self.fp8.items()}
 
     def block_paths(self, name: str) -> np.ndarray:
         """Where each block of FP8 tensor ``name`` is quantized: :data:`SOURCE` (1) on a source rank that
@@ -372,6 +377,6 @@ def precision_plan(source: Layout, destination: Layout, policy: DtypePolicy | st
 
 
 # the policy types and the FP8 layout, importable from here as before their modules were split out
-__all__ = ["Cast", "DESTINATION", "DtypePolicy", "FP8Block", "FP8_PATTERNS", "Fp8Tensor", "KEEP", "Keep",
+__all__ = ["Cast", "DESTINATION", "DtypePolicy", "FP8Block", "FP8_PATTERNS", "Fp8Tensor", "KEEP", "Keep", "MXFP8Block",
            "Precision", "PrecisionPlan", "QuantTask", "RAW_SUFFIX", "RankQuantization", "SOURCE", "as_policy",
            "check_whole_blocks", "layout_precisions", "precision_layout", "precision_plan"]

@@ -17,7 +17,7 @@ from typing import Iterable, Mapping, NamedTuple
 import numpy as np
 
 from ..layout import Layout
-from ..quant import SCALE_SUFFIX, grid_shape, scale_name
+from ..quant import MX_SCALE_SUFFIX, SCALE_SUFFIX, grid_shape
 from .fp8_blocks import FP8_STAGING, Fp8Tensor, element_boxes
 from .plan import RankPlan
 from .schedule import Copy
@@ -37,6 +37,7 @@ class QuantTask(NamedTuple):
     s_offsets: tuple[int, ...]
     block: tuple[int, int]
     ue8m0: bool
+    mx: bool = False  # MXFP8: E8M0 (uint8) scales by the OCP MX rule (reshard.quant.quantize_mx)
 
     @property
     def blocks(self) -> int:
@@ -59,8 +60,10 @@ def _staged_tensor(fp8: Mapping[str, Fp8Tensor], base: str) -> tuple[str, bool] 
     """(FP8 tensor, whether scales) of a source staging buffer's base name, or None (not FP8 staging)."""
     if base in fp8:
         return base, False
-    if base.endswith(SCALE_SUFFIX) and base[: -len(SCALE_SUFFIX)] in fp8:
-        return base[: -len(SCALE_SUFFIX)], True
+    for suffix in (SCALE_SUFFIX, MX_SCALE_SUFFIX):
+        name = base[: -len(suffix)]
+        if base.endswith(suffix) and name in fp8 and fp8[name].precision.scale_suffix == suffix:
+            return name, True
     return None
 
 
@@ -116,8 +119,8 @@ def source_tasks(fp8: Mapping[str, Fp8Tensor], source: Layout, rank: int, reads:
         sizes = (hi[0] - lo[0], hi[1] - lo[1])
         src_offsets = tuple(origin[:-2]) + tuple(o + x for o, x in zip(origin[-2:], lo))
         out.append(QuantTask(name, src_buffer, src_offsets, sizes, key, tuple(lo),
-                             scale_name(name) + FP8_STAGING + index, (lo[0] // block[0], lo[1] // block[1]), block,
-                             info.precision.ue8m0))
+                             info.precision.scale_name(name) + FP8_STAGING + index,
+                             (lo[0] // block[0], lo[1] // block[1]), block, info.precision.ue8m0, info.precision.mx))
     return out
 
 
@@ -131,7 +134,7 @@ def destination_tasks(fp8: Mapping[str, Fp8Tensor], destination: Layout, rank: i
             continue
         geometry = info.geometry
         values = destination.tables[name]
-        scales = destination.tables[scale_name(name)]
+        scales = destination.tables[info.precision.scale_name(name)]
         pieces = geometry.raw_rows[rows]
         lo_all, size_all = element_boxes(geometry.raw_lo[rows], geometry.raw_hi[rows],
                                          destination.specs[name].shape, info.block)
@@ -143,7 +146,7 @@ def destination_tasks(fp8: Mapping[str, Fp8Tensor], destination: Layout, rank: i
             s_offsets[-2:] += np.array(grid_lo) - scales.offsets[piece]
             out.append(QuantTask(name, info.raw_names[row], (0, 0), tuple(size), values.buffers[piece],
                                  tuple(q_offsets.tolist()), scales.buffers[piece], tuple(s_offsets.tolist()),
-                                 info.block, info.precision.ue8m0))
+                                 info.block, info.precision.ue8m0, info.precision.mx))
     return out
 
 
