@@ -199,7 +199,8 @@ def test_fsdp_to_tp_paths_and_figures():
     dst = rs.Layout.from_placements(w, [2, 3], (2,), [rs.Shard(1)])
     p = PrecisionPlan(src, dst)
     assert p.block_paths(w.name).tolist() == [[SOURCE, SOURCE], [DESTINATION, DESTINATION]]
-    assert p.tensor_paths()[w.name] == {"blocks": 4, "source": 2, "destination": 2, "raw_bytes": 128 * 256 * 2}
+    assert p.tensor_paths()[w.name] == {"blocks": 4, "source": 2, "assembled": 0, "destination": 2,
+                                        "raw_bytes": 128 * 256 * 2}
     assert p.wire_bytes_by_path() == {"fp8": 128 * 256, "scales": 2 * 4, "raw": 128 * 256 * 2, "other": 0}
     assert p.wire_bytes_by_dtype() == {"bfloat16": 128 * 256 * 2, "float32": 8, "float8_e4m3fn": 128 * 256}
     assert p.wire_bytes == sum(p.wire_bytes_by_dtype().values())

@@ -87,11 +87,14 @@ class ModelReport:
 @without_gc
 def build_plan_report(model: str, train: str, infer: str, *, independent_engines: bool = False,
                       options: RefitOptions | None = None, precision: str = "bf16",
-                      max_bucket_bytes: int | None = None, baseline: bool = True) -> PlanReport:
+                      max_bucket_bytes: int | None = None, baseline: bool = True,
+                      assemble_domain: int | None = None) -> PlanReport:
     """Lay out ``model`` both ways, plan the refit (and, under a dtype policy, the FP8 refit) with
     ``options`` (a :class:`~reshard.options.RefitOptions`: its staging cap and dtype policy; without
     one, ``max_bucket_bytes`` and ``precision="fp8"`` or ``"bf16"``), and summarize it; ``baseline``:
-    count gather-and-broadcast's bytes. A configuration that cannot be laid out or planned raises
+    count gather-and-broadcast's bytes; ``assemble_domain``: under a block policy, training ranks ``r`` of
+    one NVLink domain (``r // assemble_domain``) assemble the blocks none of them holds whole (FSDP)
+    before quantizing (:mod:`reshard.planning.fp8_assembly`). A configuration that cannot be laid out or planned raises
     ``ValueError`` (``LayoutError`` and ``OptionsError`` included)."""
     if independent_engines and "independent" not in infer:
         infer += ",independent"
@@ -110,7 +113,11 @@ def build_plan_report(model: str, train: str, infer: str, *, independent_engines
     fp8_plan = fp8_s = None
     if policy is not None:
         started = time.perf_counter()
-        fp8_plan = make_plan(options.replace(method=RESHARD), refit.source, refit.destination)
+        if assemble_domain:
+            fp8_plan = PrecisionPlan(refit.source, refit.destination, policy, max_bucket_bytes=max_bucket_bytes,
+                                     assemble={r: r // assemble_domain for r in refit.source.ranks})
+        else:
+            fp8_plan = make_plan(options.replace(method=RESHARD), refit.source, refit.destination)
         fp8_s = time.perf_counter() - started
     summary = summarize(refit, direct, baseline=baseline, precision=fp8_plan)
     report = PlanReport(model, train, infer, precision, refit, direct, fp8_plan, policy, summary, plan_s, fp8_s, {})

@@ -28,12 +28,13 @@ def precision_summary(p: Plan, precision=None) -> dict:
                 by_dtype[d] = by_dtype.get(d, 0) + b
         return {"wire_bytes_by_precision": {"fp8": 0, "scales": 0, "raw": 0, "other": p.wire_bytes},
                 "wire_bytes_by_dtype": dict(sorted(by_dtype.items())), "fp8_tensors": 0,
-                "blocks": {"at_source": 0, "at_destination": 0}}
+                "blocks": {"at_source": 0, "assembled": 0, "at_destination": 0}, "assembly_bytes": 0}
     paths = precision.tensor_paths().values()
     return {"wire_bytes_by_precision": precision.wire_bytes_by_path(),
             "wire_bytes_by_dtype": precision.wire_bytes_by_dtype(), "fp8_tensors": len(precision.fp8),
-            "blocks": {"at_source": sum(x["source"] for x in paths),
-                       "at_destination": sum(x["destination"] for x in paths)}}
+            "blocks": {"at_source": sum(x["source"] for x in paths), "assembled": sum(x["assembled"] for x in paths),
+                       "at_destination": sum(x["destination"] for x in paths)},
+            "assembly_bytes": precision.assembly_bytes}
 
 
 def summarize(refit: ModelLayouts, p: Plan, *, baseline: bool = True, precision=None) -> dict:
@@ -89,8 +90,9 @@ def render_precision(summary: dict, console) -> None:
     console.print(t)
     b = s["blocks"]
     console.print(
-        f"{s['fp8_tensors']:,} FP8 tensors; blocks quantized at a source {b['at_source']:,}, at the destination "
-        f"{b['at_destination']:,}; FP8 wire {f['wire_bytes'] / max(summary['wire_bytes'], 1):.2f}x the BF16 "
+        f"{s['fp8_tensors']:,} FP8 tensors; blocks quantized at a source {b['at_source']:,}, assembled in a source "
+        f"domain first {b['assembled']:,} ({s['assembly_bytes'] / gb:.3f} GB handed over inside domains), at the "
+        f"destination {b['at_destination']:,}; FP8 wire {f['wire_bytes'] / max(summary['wire_bytes'], 1):.2f}x the BF16 "
         f"plan's; per source rank sends max {f['max_send'] / gb:.2f} GB, per inference rank receives max "
         f"{f['max_recv'] / gb:.2f} GB", highlight=False)
 

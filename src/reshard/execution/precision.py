@@ -49,6 +49,7 @@ from .local import run_local
 from .packing import Buffers
 
 SOURCE_STEP, DESTINATION_STEP = "quantize at source", "quantize at destination"
+ASSEMBLY_STEP = "assemble blocks"  # the assembly phase (PrecisionPlan.assembly): block rows to their assemblers
 
 
 def run_quant_task(task: QuantTask, read: Buffers, write: Buffers) -> None:
@@ -60,8 +61,12 @@ def run_quant_task(task: QuantTask, read: Buffers, write: Buffers) -> None:
 
 
 def staging(plan: PrecisionPlan, rank: int, side: str, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """``rank``'s staging buffers for the quantization (``side``: ``"source"`` or ``"destination"``)."""
-    named = (plan.source_staging if side == "source" else plan.destination_staging).get(rank, {})
+    """``rank``'s staging buffers for the quantization (``side``: ``"source"`` (the assemblers' staging
+    included), ``"destination"``, or ``"assembly"`` alone)."""
+    if side == "source":
+        named = {**plan.source_staging.get(rank, {}), **plan.assembly_staging.get(rank, {})}
+    else:
+        named = (plan.assembly_staging if side == "assembly" else plan.destination_staging).get(rank, {})
     return {b: torch.empty(shape, dtype=dt, device=device) for b, (shape, dt) in named.items()}
 
 
@@ -87,9 +92,12 @@ def run_local_precision(plan: PrecisionPlan, src_buffers: Mapping[int, Buffers],
     """
     empty: dict[str, torch.Tensor] = {}
     msrc, mdst = {}, {}
-    for r in sorted(set(plan.source.ranks) | set(plan.source_staging)):
+    for r in sorted(set(plan.source.ranks) | set(plan.source_staging) | set(plan.assembly_staging)):
         buffers = src_buffers.get(r, empty)
         msrc[r] = {**buffers, **staging(plan, r, "source", device_of(buffers))}
+    if plan.assembly is not None:
+        run_local(plan.assembly, msrc, msrc)
+    for r in msrc:
         for task in plan.quantization(r).source:
             run_quant_task(task, msrc[r], msrc[r])
     for r in sorted(set(plan.destination.ranks) | set(plan.destination_staging)):
@@ -127,7 +135,12 @@ class PrecisionExecutor(Executor):
         if issubclass(wire, ReshardExecutor):
             kwargs["overlap"] = overlap
         self.wire = wire(plan.wire, self.group, **kwargs)
-        self.setup_error = self.setup_error or self.wire.setup_error
+        self.assembler = None
+        if plan.assembly is not None:  # the assembly phase: a plain plan on the same group
+            self.assembler = ReshardExecutor(plan.assembly, self.group, timeout=timeout, allow_lossy=allow_lossy,
+                                             overlap=overlap)
+        self.setup_error = (self.setup_error or self.wire.setup_error
+                            or (self.assembler.setup_error if self.assembler is not None else None))
         if self.setup_error:
             tasks = RankQuantization()
         elif isinstance(self.wire, ReshardExecutor):  # its parts are built: reuse the first phase's reads
@@ -159,12 +172,17 @@ class PrecisionExecutor(Executor):
         """Bytes this rank allocates: the wire's staging plus the quantization's."""
         figures = self.plan.staging_bytes()
         wire = self.wire.staging_bytes() if hasattr(self.wire, "staging_bytes") else 0
-        return wire + figures["source"].get(self.rank, 0) + figures["destination"].get(self.rank, 0)
+        if self.assembler is not None:
+            wire = max(wire, self.assembler.staging_bytes())  # one phase after the other
+        return (wire + figures["source"].get(self.rank, 0) + figures["destination"].get(self.rank, 0)
+                + figures.get("assembly", {}).get(self.rank, 0))
 
     def close(self) -> None:
         """Release the wire executor (its subgroups; local, idempotent)."""
         super().close()
         self.wire.close()
+        if self.assembler is not None:
+            self.assembler.close()
 
     def fail(self, error: RefitError) -> RefitError:
         return self.wire.fail(error)
@@ -172,9 +190,11 @@ class PrecisionExecutor(Executor):
     # ------------------------------------------------------------------ checks
     def buffers_used(self) -> tuple[set[str], set[str]]:
         """(source buffers read, destination buffers written) of the caller's, by every step on this rank."""
-        own_src = set(self.plan.source_staging.get(self.rank, {}))
+        own_src = set(self.plan.source_staging.get(self.rank, {})) | set(self.plan.assembly_staging.get(self.rank, {}))
         own_dst = set(self.plan.destination_staging.get(self.rank, {}))
         wire_read, wire_written = self.wire.buffers_used()
+        if self.assembler is not None:
+            wire_read = wire_read | self.assembler.buffers_used()[0]
         read = {t.src_buffer for t in self.source_tasks} | wire_read
         written = {b for t in self.destination_tasks for b in (t.q_buffer, t.s_buffer)} | wire_written
         return read - own_src, written - own_dst
@@ -190,10 +210,14 @@ class PrecisionExecutor(Executor):
             merged_src = {**src, **staging(self.plan, self.rank, "source", device)}
             merged_dst = {**dst, **staging(self.plan, self.rank, "destination", device)}
         problem = self.wire.check(merged_src, merged_dst)
+        if not problem and self.assembler is not None:
+            problem = self.assembler.check(merged_src, merged_src)
         if problem:
             return problem
         read, written = self.buffers_used()
-        return (check_buffers(self.plan.source, self.rank, src, {t.src_buffer for t in self.source_tasks}, "source")
+        assembled = set(self.plan.assembly_staging.get(self.rank, {}))
+        return (check_buffers(self.plan.source, self.rank, src,
+                              {t.src_buffer for t in self.source_tasks} - assembled, "source")
                 or check_buffers(self.plan.destination, self.rank, dst,
                                  {b for t in self.destination_tasks for b in (t.q_buffer, t.s_buffer)}, "destination")
                 or check_storage(self.rank, {n: src[n] for n in sorted(read)}, {n: dst[n] for n in sorted(written)}))
@@ -234,7 +258,12 @@ class PrecisionExecutor(Executor):
     def _steps(self, dst_buffers: Buffers, merged_src: Buffers, merged_dst: Buffers, src_stage: Buffers,
                dst_stage: Buffers, device: torch.device) -> list[PhaseStats]:
         """The three steps on buffers with this rank's staging merged in; marks :attr:`touched`."""
-        phases = [self._quantize(SOURCE_STEP, self.source_tasks, merged_src, merged_src, src_stage, device)]
+        phases = []
+        if self.assembler is not None:
+            self._step = ASSEMBLY_STEP
+            faults.hit(ASSEMBLY_STEP)
+            phases += self.assembler.move(merged_src, merged_src, device)
+        phases.append(self._quantize(SOURCE_STEP, self.source_tasks, merged_src, merged_src, src_stage, device))
         self._step = None
         self.touched = True
         phases += self.wire.move(merged_src, merged_dst, device)
@@ -256,4 +285,4 @@ class PrecisionExecutor(Executor):
         return PhaseStats(step, time.perf_counter() - start, 0, 0, written, staged, 0, 0)
 
 
-__all__ = ["DESTINATION_STEP", "PrecisionExecutor", "SOURCE_STEP", "run_local_precision", "run_quant_task", "staging"]
+__all__ = ["ASSEMBLY_STEP", "DESTINATION_STEP", "PrecisionExecutor", "SOURCE_STEP", "run_local_precision", "run_quant_task", "staging"]

@@ -176,6 +176,11 @@ class Fp8Tensor:
     raw_ranks: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     whole_names: tuple | Repeated = ()  # source staging names (fp8; scales: scale_name(...) of the tensor)
     whole_ranks: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    # with assembly (reshard.planning.fp8_assembly): the source pieces plus the assembled boxes, which
+    # ``geometry``'s rows index; the boxes; their staging names
+    source_table: PieceTable | None = None
+    assembly: object | None = None
+    assembly_names: tuple | Repeated = ()
 
     @property
     def block(self) -> tuple[int, int]:

@@ -59,6 +59,7 @@ from ..quant import FP8_DTYPE
 from ..tensors import LayoutError, TensorSpec, dtype_name
 from .dtype_policy import (FP8_PATTERNS, KEEP, Cast, DtypePolicy, FP8Block, Keep, MXFP8Block, Precision,
                            as_policy, layout_precisions)
+from .fp8_assembly import ASM_SUFFIX, AssemblyBoxes, assembly_boxes
 from .fp8_blocks import (FP8_STAGING, RAW_SUFFIX, BlockGeometry, Fp8Tensor, block_geometry, element_boxes,
                          staging_names)
 from .fp8_layout import check_whole_blocks, precision_layout
@@ -68,7 +69,8 @@ from .quantization import QuantTask, RankQuantization, rank_quantization
 from .schedule import Copy
 
 PRECISION_PLAN_FORMAT = 1
-SOURCE, DESTINATION = 1, 2  # block_paths codes: where a block is quantized
+SOURCE, DESTINATION, ASSEMBLED = 1, 2, 3  # block_paths codes: where a block is quantized (3: on a source
+# rank after its domain's ranks handed it the block's rows, fp8_assembly)
 
 Staging = dict[int, dict[str, tuple[tuple[int, ...], torch.dtype]]]  # {rank: {buffer: (shape, dtype)}}
 # (wire source, wire destination) -> the plan that moves the wire tensors (a method's plan maker)
@@ -169,13 +171,18 @@ class PrecisionPlan:
     quantized there (a predicate on tensor names, or one answer for all); where not, every block of
     the tensor crosses in the source's precision and is quantized at the destination, as a
     receiver-side quantizer does (the wire's tensors, and so the fingerprint, say which). :meth:`quantization`
-    says what each rank quantizes before and after the wire.
+    says what each rank quantizes before and after the wire. ``assemble`` (source rank -> NVLink domain):
+    blocks no source rank holds whole but one domain's source ranks hold together are first handed to
+    one of them (:attr:`assembly`, a local phase run before the source quantization:
+    :mod:`reshard.planning.fp8_assembly`), which quantizes them and sends FP8; without it such blocks
+    cross in the source precision.
     """
 
     @without_gc
     def __init__(self, source: Layout, destination: Layout, policy: DtypePolicy | str | None = None, *,
                  max_bucket_bytes: int | None = None, domains: Mapping[int, int] | None = None,
-                 wire: WireMaker | None = None, at_source: bool | Callable[[str], bool] = True) -> None:
+                 wire: WireMaker | None = None, at_source: bool | Callable[[str], bool] = True,
+                 assemble: Mapping[int, int] | None = None) -> None:
         check_pair(source, destination)
         self.policy = as_policy(policy)
         self.source = source
@@ -185,7 +192,11 @@ class PrecisionPlan:
         self.destination = precision_layout(destination, self.policy)
         self.precisions = layout_precisions(destination, self.policy)
         self.fp8: dict[str, Fp8Tensor] = {}
+        self.assemble = None if not assemble else {int(r): int(d) for r, d in assemble.items()}
+        self.assembly_staging: Staging = defaultdict(dict)
         tensors = self._wire_tensors(destination)
+        self.assembly_staging = dict(self.assembly_staging)
+        self.assembly: Plan | None = self._assembly_plan()
         self.source_staging = dict(tensors.source_staging)
         self.destination_staging = dict(tensors.destination_staging)
         wire_source, wire_destination = tensors.layouts(source, self.destination)
@@ -227,12 +238,58 @@ class PrecisionPlan:
                               f"({held}); block FP8 quantizes from one source precision")
         shape = self.destination.specs[name].shape
         at_source = self.at_source(name)
-        key = (shape, precision.block, at_source, source_table.geometry_key(), destination_table.geometry_key())
+        boxes = AssemblyBoxes.empty()
+        if self.assemble is not None and at_source:
+            asm_key = ("assembly", shape, precision.block, source_table.geometry_key(),
+                       source_table.buffer_offsets.shape[1])
+            boxes = geometries.get(asm_key)
+            if boxes is None:
+                boxes = geometries[asm_key] = assembly_boxes(shape, precision.block, source_table, self.assemble)
+        asm_names: tuple | Repeated = ()
+        table = source_table
+        if len(boxes.ranks):  # the assemblers hold their boxes whole, in staging <name>@asm/<k>
+            asm_names = staging_names(name + ASM_SUFFIX + "/", boxes.ranks)
+            table = PieceTable(np.concatenate([source_table.ranks, boxes.ranks]),
+                               np.concatenate([source_table.offsets, boxes.offsets]),
+                               np.concatenate([source_table.sizes, boxes.sizes]),
+                               tuple(source_table.buffers) + tuple(asm_names),
+                               np.concatenate([source_table.buffer_offsets, np.zeros_like(boxes.offsets)]))
+            for rank, buffer, size in zip(boxes.ranks.tolist(), asm_names, boxes.sizes.tolist()):
+                self.assembly_staging[rank][buffer] = (tuple(size), source_dtype)
+        key = (shape, precision.block, at_source, table.geometry_key(), destination_table.geometry_key())
         geometry = geometries.get(key)
         if geometry is None:
-            geometry = geometries[key] = block_geometry(shape, precision.block, source_table, destination_table,
+            geometry = geometries[key] = block_geometry(shape, precision.block, table, destination_table,
                                                         at_source=at_source)
-        return Fp8Tensor.of(name, precision, source_dtype, geometry, source_table, destination_table)
+        info = Fp8Tensor.of(name, precision, source_dtype, geometry, table, destination_table)
+        if len(boxes.ranks):
+            info.source_table, info.assembly, info.assembly_names = table, boxes, asm_names
+        return info
+
+    def _assembly_plan(self) -> Plan | None:
+        """The local phase that hands assemblers their block rows (None: nothing is assembled): one wire
+        tensor ``<name>@asm`` per assembled FP8 tensor, from the source's pieces into assembler staging,
+        planned with the domains so each row comes from a rank of the assembler's domain."""
+        specs, src_tables, dst_tables = {}, {}, {}
+        for name, info in self.fp8.items():
+            boxes = info.assembly
+            if boxes is None or not len(boxes.ranks):
+                continue
+            wire_name = name + ASM_SUFFIX
+            specs[wire_name] = TensorSpec(wire_name, self.source.specs[name].shape, info.source_dtype)
+            src_tables[wire_name] = self.source.tables[name]
+            dst_tables[wire_name] = PieceTable(boxes.ranks, boxes.offsets, boxes.sizes, info.assembly_names,
+                                               np.zeros_like(boxes.offsets))
+        if not specs:
+            return None
+        source = Layout(specs, src_tables, {rank: self.source.buffers(rank) for rank in self.source.ranks},
+                        validate=None)
+        destination = Layout(specs, dst_tables, {rank: dict(named) for rank, named in self.assembly_staging.items()},
+                             validate=None)
+        ranks = set(source.ranks) | set(destination.ranks)
+        lone = max(self.assemble.values(), default=0) + 1  # a source rank outside the map: a domain of its own
+        domains = {r: self.assemble.get(r, lone + r) for r in ranks}
+        return Plan(source, destination, max_bucket_bytes=self.max_bucket_bytes, domains=domains)
 
     # ------------------------------------------------------------------ PhasedPlan
     @property
@@ -253,6 +310,8 @@ class PrecisionPlan:
         if self._fingerprint is None:
             digest = hashlib.sha256(f"precision-plan-{PRECISION_PLAN_FORMAT}\0{self.policy.key}\0".encode())
             digest.update(self.wire.fingerprint().encode())
+            if self.assembly is not None:
+                digest.update(b"\0assembly\0" + self.assembly.fingerprint().encode())
             self._fingerprint = digest.hexdigest()[:16]
         return self._fingerprint
 
@@ -294,17 +353,26 @@ class PrecisionPlan:
 
     def block_paths(self, name: str) -> np.ndarray:
         """Where each block of FP8 tensor ``name`` is quantized: :data:`SOURCE` (1) on a source rank that
-        holds it whole, :data:`DESTINATION` (2) on the destination ranks that hold it; int8 [grid]."""
-        geometry = self._info(name).geometry
+        holds it whole, :data:`DESTINATION` (2) on the destination ranks that hold it, :data:`ASSEMBLED` (3)
+        on a source rank its domain's ranks handed the block's rows to (``assemble``); int8 [grid]."""
+        info = self._info(name)
+        geometry = info.geometry
         out = np.zeros(geometry.grid, np.int8)
         for lo, hi, covered in zip(geometry.rect_lo.tolist(), geometry.rect_hi.tolist(),
                                    geometry.rect_covered.tolist()):
             out[lo[0]:hi[0], lo[1]:hi[1]] = SOURCE if covered else DESTINATION
+        if info.assembly is not None:
+            block = np.array(info.block, np.int64)
+            lo_all = info.assembly.offsets // block
+            hi_all = -(-(info.assembly.offsets + info.assembly.sizes) // block)
+            for lo, hi in zip(lo_all.tolist(), hi_all.tolist()):
+                out[lo[0]:hi[0], lo[1]:hi[1]] = ASSEMBLED
         return out
 
     def tensor_paths(self) -> dict[str, dict[str, int]]:
-        """Per FP8 tensor: ``blocks`` (its grid), ``source`` / ``destination`` (blocks quantized on a source
-        rank / on destination ranks), ``raw_bytes`` (raw blocks' bytes, once per destination that takes them)."""
+        """Per FP8 tensor: ``blocks`` (its grid), ``source`` / ``assembled`` / ``destination`` (blocks quantized on a
+        source rank that held them / on one its domain handed them to / on destination ranks), ``raw_bytes``
+        (raw blocks' bytes, once per destination that takes them)."""
         out = {}
         for name, info in self.fp8.items():
             paths = self.block_paths(name)
@@ -313,6 +381,7 @@ class PrecisionPlan:
                                   info.block)[1]
             raw = int(sizes.prod(axis=1).sum())
             out[name] = {"blocks": int(paths.size), "source": int((paths == SOURCE).sum()),
+                         "assembled": int((paths == ASSEMBLED).sum()),
                          "destination": int((paths == DESTINATION).sum()),
                          "raw_bytes": raw * info.source_dtype.itemsize}
         return out
@@ -323,15 +392,38 @@ class PrecisionPlan:
         def total(staging):
             return {rank: sum(int(np.prod(shape)) * dtype.itemsize for shape, dtype in named.values())
                     for rank, named in staging.items()}
-        return {"source": total(self.source_staging), "destination": total(self.destination_staging)}
+        out = {"source": total(self.source_staging), "destination": total(self.destination_staging)}
+        if self.assembly is not None:  # assemblers' staging: the block rows handed to them, source precision
+            out["assembly"] = total(self.assembly_staging)
+        return out
+
+    @property
+    def assembly_bytes(self) -> int:
+        """Bytes the assembly phase moves between ranks (inside domains; 0 without ``assemble``)."""
+        return 0 if self.assembly is None else self.assembly.wire_bytes
+
+    def assembly_cross_domain_bytes(self) -> int:
+        """Bytes of the assembly phase between ranks of different domains (0 by construction, unless a
+        replica outside the domain was the planner's only choice)."""
+        if self.assembly is None:
+            return 0
+        out = 0
+        for (src, dst), nbytes in self.assembly.pair_bytes.items():
+            if self.assemble.get(src, -1 - src) != self.assemble.get(dst, -2 - dst):
+                out += nbytes
+        return out
 
     def summary(self) -> dict:
         paths = self.tensor_paths()
-        return {"policy": self.policy.key, "fp8_tensors": len(self.fp8),
-                "blocks_at_source": sum(counts["source"] for counts in paths.values()),
-                "blocks_at_destination": sum(counts["destination"] for counts in paths.values()),
-                "wire_bytes": self.wire_bytes, "wire_bytes_by_dtype": self.wire_bytes_by_dtype(),
-                "wire_bytes_by_path": self.wire_bytes_by_path(), "wire": self.wire.summary()}
+        out = {"policy": self.policy.key, "fp8_tensors": len(self.fp8),
+               "blocks_at_source": sum(counts["source"] for counts in paths.values()),
+               "blocks_at_destination": sum(counts["destination"] for counts in paths.values()),
+               "wire_bytes": self.wire_bytes, "wire_bytes_by_dtype": self.wire_bytes_by_dtype(),
+               "wire_bytes_by_path": self.wire_bytes_by_path(), "wire": self.wire.summary()}
+        if self.assembly is not None:
+            out.update(blocks_assembled=sum(counts["assembled"] for counts in paths.values()),
+                       assembly_bytes=self.assembly_bytes)
+        return out
 
     def __repr__(self) -> str:
         return f"PrecisionPlan({len(self.fp8)} FP8 tensors, wire_bytes={self.wire_bytes}, policy {self.policy.key!r})"
@@ -371,12 +463,14 @@ def _with(layout: Layout, staging: Mapping[int, Mapping]) -> dict[int, dict]:
 
 
 def precision_plan(source: Layout, destination: Layout, policy: DtypePolicy | str | None = None, *,
-                   max_bucket_bytes: int | None = None, domains: Mapping[int, int] | None = None) -> PrecisionPlan:
+                   max_bucket_bytes: int | None = None, domains: Mapping[int, int] | None = None,
+                   assemble: Mapping[int, int] | None = None) -> PrecisionPlan:
     """Plan the refit of ``destination`` from ``source`` in ``policy``'s precisions (see :class:`PrecisionPlan`)."""
-    return PrecisionPlan(source, destination, policy, max_bucket_bytes=max_bucket_bytes, domains=domains)
+    return PrecisionPlan(source, destination, policy, max_bucket_bytes=max_bucket_bytes, domains=domains,
+                         assemble=assemble)
 
 
 # the policy types and the FP8 layout, importable from here as before their modules were split out
-__all__ = ["Cast", "DESTINATION", "DtypePolicy", "FP8Block", "FP8_PATTERNS", "Fp8Tensor", "KEEP", "Keep", "MXFP8Block",
+__all__ = ["ASSEMBLED", "Cast", "DESTINATION", "DtypePolicy", "FP8Block", "FP8_PATTERNS", "Fp8Tensor", "KEEP", "Keep", "MXFP8Block",
            "Precision", "PrecisionPlan", "QuantTask", "RAW_SUFFIX", "RankQuantization", "SOURCE", "as_policy",
            "check_whole_blocks", "layout_precisions", "precision_layout", "precision_plan"]

@@ -95,7 +95,7 @@ def _staging_origin(source: Layout, info: Fp8Tensor, rank: int, key: str
     names = [info.whole_names[i] for i in rows.tolist()]
     row = int(rows[names.index(key)])
     geometry = info.geometry
-    table = source.tables[info.name]
+    table = info.source_table if info.source_table is not None else source.tables[info.name]
     piece = int(geometry.whole_rows[row])
     lo, size = element_boxes(geometry.whole_lo[row:row + 1], geometry.whole_hi[row:row + 1],
                              source.specs[info.name].shape, info.block)
