@@ -142,7 +142,8 @@ def _plan(args) -> int:
         options = refit_options(RESHARD, max_bucket_bytes=staging_cap(args.max_bucket_mb, "--max-bucket-mb"),
                                 precision=("--precision", None if args.precision == "bf16" else args.precision))
         report = build_plan_report(args.model, args.train, args.infer, independent_engines=args.independent_engines,
-                                   options=options, baseline=not args.no_baseline)
+                                   options=options, baseline=not args.no_baseline,
+                                   assemble_domain=(topo.gpus_per_domain if topo is not None else 8))
     except (LayoutError, ValueError) as error:  # OptionsError included: it names the flag
         console.print(f"reshard plan: {error}", style="red", highlight=False, soft_wrap=True)
         return 2
