@@ -32,7 +32,7 @@ import numpy as np
 
 from ..layout import PieceTable
 from ..quant import grid_shape
-from .fp8_blocks import _covered_cells, regions, whole_block_boxes
+from .fp8_blocks import covered_cells, regions, whole_block_boxes
 
 ASM_SUFFIX = "@asm"  # the wire tensor of the assembly phase; assembler staging <tensor>@asm/<k>
 
@@ -55,7 +55,7 @@ def _covers(lo: np.ndarray, hi: np.ndarray, size: tuple[int, int]) -> bool:
     """Whether the boxes (lo, hi: relative to a box of ``size``, clipped to it) cover all of it."""
     if not len(lo):
         return False
-    cuts, covered = _covered_cells(size, lo, hi)
+    cuts, covered = covered_cells(size, lo, hi)
     return bool(covered.all()) and cuts[0][0] == 0 and cuts[1][0] == 0
 
 

@@ -49,7 +49,7 @@ def element_boxes(grid_lo: np.ndarray, grid_hi: np.ndarray, shape, block) -> tup
     return lo, np.minimum(grid_hi * block_size, np.array(shape, np.int64)) - lo
 
 
-def _covered_cells(grid: tuple[int, int], lo: np.ndarray, hi: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
+def covered_cells(grid: tuple[int, int], lo: np.ndarray, hi: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
     """(cuts per dim, covered [cells]): the grid compressed at every box edge, and whether each cell
     of the compressed grid lies in some box (a 2-D difference array, summed)."""
     cuts = [np.unique(np.concatenate([[0, grid[d]], lo[:, d], hi[:, d]])) for d in (0, 1)]
@@ -77,7 +77,7 @@ def regions(grid: tuple[int, int], lo: np.ndarray, hi: np.ndarray) -> tuple[np.n
     whether the rectangle lies in the union of the boxes ``lo``/``hi`` (by coordinate compression;
     consecutive rows with the same runs form one band)."""
     keep = (hi > lo).all(axis=1)
-    cuts, covered = _covered_cells(grid, lo[keep], hi[keep])
+    cuts, covered = covered_cells(grid, lo[keep], hi[keep])
     rows = len(cuts[0]) - 1
     found: list[tuple[int, int, int, int, bool]] = []
     band_start, band_runs = 0, None
