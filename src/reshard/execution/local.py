@@ -41,6 +41,9 @@ def run_local(plan: PhasedPlan, src_buffers: Mapping[int, Buffers], dst_buffers:
             if part is not None:
                 run_local(part, src_buffers, dst_buffers)
         return
+    if getattr(plan, "is_pipelined", False):  # a pipelined hierarchical plan: step by step
+        from .executor import run_local_pipelined
+        return run_local_pipelined(plan, src_buffers, dst_buffers)
     for i, phase in enumerate(plan.phases):
         _run_phase(phase, src_buffers if i == 0 else dst_buffers, dst_buffers)
 
