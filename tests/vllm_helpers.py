@@ -154,3 +154,64 @@ def linear_probes(worker) -> dict[str, torch.Tensor]:
 def computed_tensors(worker) -> dict[str, torch.Tensor]:
     """:func:`engine_tensors` (parameters, buffers, packed-weight tensors) and :func:`linear_probes`."""
     return {**engine_tensors(worker), **linear_probes(worker)}
+
+
+# ---------------------------------------------------------------------- block-FP8 engines (tests/test_vllm_fp8.py)
+FP8_DENSE = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=128, intermediate_size=512)
+
+
+def fp8_quantization_config(block=(128, 128), ignored: list[str] | None = None) -> dict:
+    """A DeepSeek-V3-style ``quantization_config``: e4m3 weights, one scale per ``block``, dynamic activations."""
+    return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": list(block),
+            "ignored_layers": list(ignored or [])}
+
+
+def save_fp8_checkpoint(path: str, state: dict[str, torch.Tensor], source: str, policy="fp8",
+                        ignored: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """An FP8 checkpoint at ``path`` of the BF16 ``state`` (checkpoint names), made by the reference
+    quantizer (:func:`reshard.quant.quantize_blocks`) for every tensor ``policy`` puts in block FP8, with
+    the config and tokenizer of the checkpoint at ``source`` and a block-FP8 ``quantization_config``;
+    returns the tensors written."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from reshard.planning.dtype_policy import FP8Block, as_policy
+    from reshard.quant import quantize_blocks, scale_name
+    from reshard.tensors import TensorSpec
+
+    policy = as_policy(policy)
+    os.makedirs(path, exist_ok=True)
+    for name in os.listdir(source):
+        if not name.endswith(".safetensors") and name != "model.safetensors.index.json":
+            shutil.copy(os.path.join(source, name), os.path.join(path, name))
+    out, block = {}, None
+    for name, tensor in state.items():
+        precision = policy(TensorSpec(name, tuple(tensor.shape), tensor.dtype))
+        if isinstance(precision, FP8Block):
+            block = precision.block
+            out[name], out[scale_name(name)] = quantize_blocks(tensor, precision.block, precision.ue8m0)
+        else:
+            out[name] = tensor.contiguous()
+    save_file(out, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = fp8_quantization_config(block or (128, 128), ignored)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return out
+
+
+def use_fp8_cpu_kernel(folder: str) -> None:
+    """Put the tests' reference block-FP8 kernel (``tests/fp8_cpu_kernel``, a vLLM general plugin) on the
+    path of this process and of the engines it starts: a made-up distribution in ``folder`` names it in
+    its entry points (call after :func:`use_cpu_engines`)."""
+    import sys
+
+    from fp8_cpu_kernel import install_dist
+
+    install_dist(folder)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    os.environ["PYTHONPATH"] = os.pathsep.join([folder, os.environ.get("PYTHONPATH", "")])
