@@ -1,8 +1,8 @@
-"""BF16 -> BF16 vs BF16 -> FP8: wire bytes and time of the same refit into BF16 and into FP8 engines.
+"""BF16 -> BF16 vs BF16 -> FP8 (raw where no source holds a block) vs BF16 -> FP8 with blocks assembled.
 
 Run from the repository root::
 
-    python benchmarks/bench_fp8.py [--repeat 5] [--layers 28] [--configs 2-2:2x1,4-4:4x1,3-2:2x1]
+    python benchmarks/bench_fp8.py [--repeat 5] [--layers 28] [--configs 2-2:2x1,4-4:4x1,3-2:2x1,12-2:2x1]
 
 One process group per configuration (CPU, gloo), the demo model (Qwen3-0.6B-shaped, ``--layers``
 decoder layers), FSDP2 training over M ranks -> N inference ranks (torch tensor-parallel
@@ -14,9 +14,16 @@ replicas, ``tp x dp``). Per repeat, one run of each, in alternating order (the m
             BF16); each block is quantized on the source rank that holds it whole ("quantize at
             source") or, where no source does (an uneven FSDP split), crosses in BF16 and is
             quantized on the destination ("quantize at destination")
+    fp8 asm the same FP8 refit with block assembly (``precision_plan(..., assemble=...)``): the
+            training ranks form one domain (``--domain``: ranks per domain), and a block no rank
+            holds whole but the domain's ranks hold together is first handed to one of them
+            ("assemble blocks"), which quantizes it and sends FP8; only blocks that span domains
+            still cross in BF16
 
-Times are the slowest rank's wall time of one ``run``, median over repeats; the quantize columns
-are the slowest rank's time in those RunStats phases (median). Wire MiB are the plan's bytes
+Times are the slowest rank's wall time of one ``run``, median over repeats; the assemble and
+quantize columns are the slowest rank's time in those RunStats phases (median). Wire MiB excludes
+the assembly phase's bytes (inside the domain: NVLink on a GPU machine, gloo over loopback here),
+shown apart. Wire MiB are the plan's bytes
 between ranks, by what they cross as. Every destination byte is verified after every run: BF16
 against the test values, FP8 values and scales bit for bit against the reference quantizer
 (:func:`reshard.quant.quantize_blocks`) applied to the full tensor. All figures measured.
@@ -37,7 +44,7 @@ from rich.table import Table
 import reshard as rs
 from reshard import verify
 from reshard.apps.bench_support import parse_configs, print_header, spawn_for_json
-from reshard.execution.precision import DESTINATION_STEP, SOURCE_STEP, PrecisionExecutor
+from reshard.execution.precision import ASSEMBLY_STEP, DESTINATION_STEP, SOURCE_STEP, PrecisionExecutor
 from reshard.frameworks.parallel import model_layouts
 from reshard.models import DEMO_MODEL, get_arch
 from reshard.planning.precision import precision_plan
@@ -45,7 +52,7 @@ from reshard.quant import quantize_blocks, scale_name
 from reshard.tensors import box_slices, box_str, buffer_view
 
 MiB = 1 << 20
-KINDS = ("bf16", "fp8")
+KINDS = ("bf16", "fp8", "fp8 asm")
 
 
 def _fp8_reference(pp, lay, rank: int) -> dict[str, torch.Tensor]:
@@ -78,23 +85,29 @@ def _check_fp8(pp, rank: int, buffers, ref) -> list[str]:
     return out
 
 
-def _worker(rank: int, world: int, path: str, config: str, layers: int, repeat: int) -> None:
+def _worker(rank: int, world: int, path: str, config: str, layers: int, repeat: int, domain: int) -> None:
     import json
 
     (train, infer), = parse_configs(config)
     lay = model_layouts(get_arch(DEMO_MODEL).with_overrides(layers=layers), train, infer)
     src = verify.fill_source(lay.source, rank) if rank in lay.source_ranks else {}
+    size = domain or len(lay.source.ranks)
     plans = {"bf16": rs.plan(lay.source, lay.destination, max_bucket_bytes=32 * MiB),
-             "fp8": precision_plan(lay.source, lay.destination, "fp8", max_bucket_bytes=32 * MiB)}
+             "fp8": precision_plan(lay.source, lay.destination, "fp8", max_bucket_bytes=32 * MiB),
+             "fp8 asm": precision_plan(lay.source, lay.destination, "fp8", max_bucket_bytes=32 * MiB,
+                                       assemble={r: r // size for r in lay.source.ranks})}
     pp = plans["fp8"]
-    dst = {"bf16": lay.destination.empty_buffers(rank), "fp8": pp.destination.empty_buffers(rank)}
-    executors = {"bf16": rs.ReshardExecutor(plans["bf16"]), "fp8": PrecisionExecutor(pp)}
+    dst = {"bf16": lay.destination.empty_buffers(rank), "fp8": pp.destination.empty_buffers(rank),
+           "fp8 asm": plans["fp8 asm"].destination.empty_buffers(rank)}
+    executors = {"bf16": rs.ReshardExecutor(plans["bf16"]), "fp8": PrecisionExecutor(pp),
+                 "fp8 asm": PrecisionExecutor(plans["fp8 asm"])}
     ref = _fp8_reference(pp, lay, rank) if rank in lay.destination_ranks else {}
     times = {k: [] for k in KINDS}
-    quant = {SOURCE_STEP: [], DESTINATION_STEP: []}
+    steps = (ASSEMBLY_STEP, SOURCE_STEP, DESTINATION_STEP)
+    quant = {kind: {step: [] for step in steps} for kind in KINDS[1:]}
     bad: list[str] = []
     for i in range(repeat + 1):
-        for kind in (KINDS if i % 2 else KINDS[::-1]):
+        for kind in (KINDS if i % 2 else KINDS[::-1]):  # alternating order: the machine is noisy
             for t in dst[kind].values():
                 t.zero_()
             dist.barrier()
@@ -103,21 +116,24 @@ def _worker(rank: int, world: int, path: str, config: str, layers: int, repeat: 
             elapsed = time.perf_counter() - t0
             if i:  # the first round warms up
                 times[kind].append(elapsed)
-                if kind == "fp8":
-                    steps = {p.name: p.seconds for p in stats.phases}
-                    for step in quant:
-                        quant[step].append(steps.get(step, 0.0))
+                if kind != "bf16":
+                    seconds = {p.name: p.seconds for p in stats.phases}
+                    for step in steps:
+                        quant[kind][step].append(seconds.get(step, 0.0))
             if rank in lay.destination_ranks:
                 if kind == "bf16":
                     bad += verify.check_destination(lay.destination, rank, dst[kind])[:1]
                 else:
-                    bad += _check_fp8(pp, rank, dst[kind], ref)[:1]
-    paths = pp.tensor_paths().values()
+                    bad += [f"{kind}: {b}" for b in _check_fp8(plans[kind], rank, dst[kind], ref)[:1]]
+    figures = {}
+    for kind in KINDS[1:]:
+        paths = plans[kind].tensor_paths().values()
+        figures[kind] = {"by_path": plans[kind].wire_bytes_by_path(), "bytes": plans[kind].wire_bytes,
+                         "assembly": plans[kind].assembly_bytes,
+                         "blocks": [sum(p[k] for p in paths) for k in ("source", "assembled", "destination")]}
     everyone = [None] * world
-    dist.all_gather_object(everyone, {
-        "times": times, "quant": quant, "bad": bad, "bf16_bytes": plans["bf16"].wire_bytes,
-        "fp8_by_path": pp.wire_bytes_by_path(), "fp8_bytes": pp.wire_bytes,
-        "blocks": [sum(p["source"] for p in paths), sum(p["destination"] for p in paths)]})
+    dist.all_gather_object(everyone, {"times": times, "quant": quant, "bad": bad,
+                                      "bf16_bytes": plans["bf16"].wire_bytes, "fp8": figures})
     if rank == 0:
         with open(path, "w") as f:
             json.dump(everyone, f)
@@ -133,39 +149,47 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=28,
                     help="decoder layers of the demo model (default %(default)s: all of Qwen3-0.6B, so the linear "
                          "weights FP8 applies to outweigh the BF16 embeddings and head)")
-    ap.add_argument("--configs", default="2-2:2x1,4-4:4x1,3-2:2x1",
+    ap.add_argument("--configs", default="2-2:2x1,3-2:2x1,12-2:2x1",
                     help="M-N:TPxDP, comma-separated: FSDP2 over M ranks -> N ranks as DP replicas of TP "
-                         "(default %(default)s; 3 sources split the weights unevenly: some blocks are "
-                         "quantized at the destination)")
+                         "(default %(default)s; 3 sources split the weights unevenly: some blocks have no "
+                         "whole holder; 12 sources cut the 1024-row weights into 86-row pieces, under a block, "
+                         "as FSDP over many GPUs does)")
+    ap.add_argument("--domain", type=int, default=0,
+                    help="training ranks per domain for the assembled path (default: all of them, one domain)")
     args = ap.parse_args(argv)
     console = Console(width=max(Console().width, 180))
     print_header(console, "benchmarks/bench_fp8.py", argv)
-    table = Table(title=f"BF16 -> BF16 vs BF16 -> FP8 (e4m3, 128x128 block scales), {args.layers}-layer "
-                        f"{DEMO_MODEL}, gloo on this CPU (measured; median of {args.repeat})")
-    cols = ("config", "destination", "wire MiB", "fp8 / scales / raw bf16 / other MiB", "blocks at src / dst",
-            "refit s", "quantize at source s", "quantize at destination s", "x bf16 time")
+    table = Table(title=f"BF16 -> BF16 vs BF16 -> FP8 (e4m3, 128x128 block scales) without and with block "
+                        f"assembly, {args.layers}-layer {DEMO_MODEL}, gloo on this CPU (measured; median of "
+                        f"{args.repeat})")
+    cols = ("config", "destination", "wire MiB", "fp8 / scales / raw bf16 / other MiB", "assembly MiB",
+            "blocks src / asm / dst", "refit s", "assemble s", "quantize at source s", "quantize at destination s",
+            "x bf16 time")
     for col in cols:
         table.add_column(col, justify="left" if col in ("config", "destination") else "right")
     ok = True
     for config in args.configs.split(","):
         (train, infer), = parse_configs(config)
         world = train.world + infer.world
-        ranks = spawn_for_json(_worker, world, config, args.layers, args.repeat)
+        ranks = spawn_for_json(_worker, world, config, args.layers, args.repeat, args.domain)
         ok &= not any(r["bad"] for r in ranks)
         for r in ranks:
             for b in r["bad"]:
                 console.print(f"[red]{b}", highlight=False)
         t = {k: _median_of_slowest(ranks, lambda r, k=k: r["times"][k], args.repeat) for k in KINDS}
-        q = {s: _median_of_slowest(ranks, lambda r, s=s: r["quant"][s], args.repeat)
-             for s in (SOURCE_STEP, DESTINATION_STEP)}
         r0 = ranks[0]
-        w = r0["fp8_by_path"]
         table.add_row(config, "BF16", f"{r0['bf16_bytes'] / MiB:.1f}", f"- / - / - / {r0['bf16_bytes'] / MiB:.1f}",
-                      "-", f"{t['bf16']:.3f}", "-", "-", "1.00x")
-        table.add_row("", "FP8", f"{r0['fp8_bytes'] / MiB:.1f}",
-                      " / ".join(f"{w[k] / MiB:.1f}" for k in ("fp8", "scales", "raw", "other")),
-                      f"{r0['blocks'][0]:,} / {r0['blocks'][1]:,}", f"{t['fp8']:.3f}", f"{q[SOURCE_STEP]:.3f}",
-                      f"{q[DESTINATION_STEP]:.3f}", f"{t['fp8'] / t['bf16']:.2f}x", end_section=True)
+                      "-", "-", f"{t['bf16']:.3f}", "-", "-", "-", "1.00x")
+        for kind, label in (("fp8", "FP8, raw BF16 where no whole holder"), ("fp8 asm", "FP8, blocks assembled")):
+            q = {s: _median_of_slowest(ranks, lambda r, s=s, kind=kind: r["quant"][kind][s], args.repeat)
+                 for s in (ASSEMBLY_STEP, SOURCE_STEP, DESTINATION_STEP)}
+            f = r0["fp8"][kind]
+            w = f["by_path"]
+            table.add_row("", label, f"{f['bytes'] / MiB:.1f}",
+                          " / ".join(f"{w[k] / MiB:.1f}" for k in ("fp8", "scales", "raw", "other")),
+                          f"{f['assembly'] / MiB:.1f}", " / ".join(f"{b:,}" for b in f["blocks"]), f"{t[kind]:.3f}",
+                          f"{q[ASSEMBLY_STEP]:.3f}" if f["assembly"] else "-", f"{q[SOURCE_STEP]:.3f}",
+                          f"{q[DESTINATION_STEP]:.3f}", f"{t[kind] / t['bf16']:.2f}x", end_section=kind == "fp8 asm")
     console.print(table)
     console.print("every destination byte verified after every run (FP8 against the reference quantizer)" if ok
                   else "[red]WRONG BYTES")

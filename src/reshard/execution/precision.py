@@ -28,6 +28,7 @@ executor runs them as they are. Fault points (:mod:`reshard.execution.faults`): 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from datetime import timedelta
 from typing import Iterable, Mapping
@@ -262,7 +263,8 @@ class PrecisionExecutor(Executor):
         if self.assembler is not None:
             self._step = ASSEMBLY_STEP
             faults.hit(ASSEMBLY_STEP)
-            phases += self.assembler.move(merged_src, merged_src, device)
+            phases += [dataclasses.replace(p, name=ASSEMBLY_STEP)
+                       for p in self.assembler.move(merged_src, merged_src, device)]
         phases.append(self._quantize(SOURCE_STEP, self.source_tasks, merged_src, merged_src, src_stage, device))
         self._step = None
         self.touched = True
