@@ -52,7 +52,7 @@ from ..gc_pause import without_gc
 from ..layout import Layout
 from ..modeling.pipeline import RefitModel
 from ..modeling.topology import Placement, Topology
-from ..planning.precision import DtypePolicy, precision_layout
+from ..planning.precision import DtypePolicy, PrecisionPlan, precision_layout
 from ..tensors import LayoutError
 
 GiB = 1 << 30
@@ -208,9 +208,13 @@ def precision_figures(m: RefitModel) -> dict:
     if pp is None:
         return {}
     paths = pp.tensor_paths().values()
-    return {"wire_bytes_by_precision": pp.wire_bytes_by_path(), "wire_bytes_by_dtype": pp.wire_bytes_by_dtype(),
-            "fp8_tensors": len(pp.fp8), "blocks_at_source": sum(p["source"] for p in paths),
-            "blocks_at_destination": sum(p["destination"] for p in paths)}
+    out = {"wire_bytes_by_precision": pp.wire_bytes_by_path(), "wire_bytes_by_dtype": pp.wire_bytes_by_dtype(),
+           "fp8_tensors": len(pp.fp8), "blocks_at_source": sum(p["source"] for p in paths),
+           "blocks_at_destination": sum(p["destination"] for p in paths)}
+    if pp.assembly is not None:  # the local phase before the network: modeled on its own (NVLink, inside domains)
+        out.update(blocks_assembled=sum(p["assembled"] for p in paths), assembly_bytes=pp.assembly_bytes,
+                   assembly_s=m.estimate(pp.assembly)[1].seconds)
+    return out
 
 
 @dataclass
@@ -275,7 +279,11 @@ def simulate_case(case: Case, *, max_bucket_bytes: int = 2 * GiB, gather_bucket_
     if reason is not None:
         return Result(case, None, reason, time.perf_counter() - t0, precision=prec)
     placement = Placement.contiguous(topo, lay.train_world, lay.infer_world, infer_start="domain")
-    m = RefitModel.build(lay.source, lay.destination, topo, placement=placement, policy=policy)
+    pp = None  # FP8: blocks no training rank holds whole are assembled in their training domain first
+    if policy is not None:
+        pp = PrecisionPlan(lay.source, lay.destination, policy, assemble=dict(enumerate(
+            placement.domain_of[:lay.train_world].tolist())))
+    m = RefitModel.build(lay.source, lay.destination, topo, placement=placement, policy=policy, precision=pp)
     if m.hierarchical is None:
         raise ValueError(f"case {case.key}: topology {topo.name} has no NVLink domains of several GPUs")
     plan_s = time.perf_counter() - t0
