@@ -265,9 +265,12 @@ class PrecisionExecutor(Executor):
             faults.hit(ASSEMBLY_STEP)
             phases += [dataclasses.replace(p, name=ASSEMBLY_STEP)
                        for p in self.assembler.move(merged_src, merged_src, device)]
+        # touched from here on: the other ranks go on into the wire as soon as their own source step ends, so a
+        # source failing in its own step asks the destinations whether they wrote (the session's ``moved``)
+        # instead of declaring that nothing moved while they already count themselves written
+        self.touched = True
         phases.append(self._quantize(SOURCE_STEP, self.source_tasks, merged_src, merged_src, src_stage, device))
         self._step = None
-        self.touched = True
         phases += self.wire.move(merged_src, merged_dst, device)
         phases.append(self._quantize(DESTINATION_STEP, self.destination_tasks, merged_dst, dst_buffers, dst_stage,
                                      device))
