@@ -197,6 +197,8 @@ def save_fp8_checkpoint(path: str, state: dict[str, torch.Tensor], source: str, 
     save_file(out, os.path.join(path, "model.safetensors"))
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
+    if ignored is None:  # the MoE routers stay BF16 (vLLM would build them as FP8 linear layers otherwise)
+        ignored = [name[:-len(".weight")] for name in state if name.endswith(".mlp.gate.weight")]
     config["quantization_config"] = fp8_quantization_config(block or (128, 128), ignored)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
@@ -215,3 +217,24 @@ def use_fp8_cpu_kernel(folder: str) -> None:
     if folder not in sys.path:
         sys.path.insert(0, folder)
     os.environ["PYTHONPATH"] = os.pathsep.join([folder, os.environ.get("PYTHONPATH", "")])
+
+
+def fp8_probes(worker) -> dict[str, torch.Tensor]:
+    """Each block-FP8 linear layer's weight as the layer computes with it: an identity matrix through the
+    layer's own ``quant_method.apply`` (its FP8 kernel, no bias), for ``collective_rpc``."""
+    from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
+
+    model = worker.model_runner.get_model()
+    out = {}
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            method = getattr(module, "quant_method", None)
+            if isinstance(method, Fp8LinearMethod):
+                eye = torch.eye(module.input_size_per_partition, dtype=torch.bfloat16)
+                out[f"probe:{name}"] = method.apply(module, eye).clone()
+    return out
+
+
+def fp8_engine_tensors(worker) -> dict[str, torch.Tensor]:
+    """:func:`engine_tensors` (parameters: the FP8 weights and scales, buffers) and :func:`fp8_probes`."""
+    return {**engine_tensors(worker), **fp8_probes(worker)}

@@ -7,7 +7,9 @@ more candidate to vLLM's CPU list of block-FP8 kernels, last, so that vLLM's own
 priority wherever they run: :class:`ReferenceFp8BlockKernel` dequantizes the FP8 weight with its
 ``weight_scale_inv`` (one float32 scale per block) and does a BF16 matmul. It leaves the loaded
 weight and scale parameters as they are (its ``process_weights_after_loading`` does nothing), so
-they stay the tensors the forward reads.
+they stay the tensors the forward reads. With ``RESHARD_TEST_FP8_REFERENCE_KERNEL=1`` in the
+engines' environment it comes first on any CPU (so that the stand-in is tested on CPUs with AMX
+too, and engines compute alike on every machine).
 
 The library ships no such patch: only the tests put this package on the engines' path, with a
 made-up distribution whose ``entry_points.txt`` names :func:`register` under
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import os
 
+FORCE = "RESHARD_TEST_FP8_REFERENCE_KERNEL"  # "1": the reference kernel first, on any CPU (AMX or not)
 PLUGIN = "reshard_test_fp8_cpu_kernel"  # the entry point's name (VLLM_PLUGINS may list it)
 DIST = "reshard_test_fp8_cpu_kernel-0.0.0.dist-info"
 
@@ -51,7 +54,10 @@ def register() -> None:
     kernel = reference_kernel()
     kernels = _POSSIBLE_FP8_BLOCK_KERNELS.setdefault(PlatformEnum.CPU, [])
     if not any(k.__name__ == kernel.__name__ for k in kernels):
-        kernels.append(kernel)
+        if os.environ.get(FORCE) == "1":
+            kernels.insert(0, kernel)
+        else:
+            kernels.append(kernel)
 
 
 _KERNEL = None
@@ -76,7 +82,7 @@ def reference_kernel():
         def is_supported(cls, compute_capability=None):
             if not current_platform.is_cpu():
                 return False, "is a CPU stand-in."
-            if torch.cpu._is_amx_tile_supported():
+            if torch.cpu._is_amx_tile_supported() and os.environ.get(FORCE) != "1":
                 return False, "stands in only where vLLM's AMX kernels cannot run."
             return True, None
 

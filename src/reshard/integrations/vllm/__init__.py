@@ -38,7 +38,7 @@ _NAMES = {"ReshardTrainerInitInfo": "init_info", "ReshardSource": "source",
           "WeightsPoisonedError": "clients", "ReshardWeightTransferEngine": "engine",
           "ReshardWeightTransferInitInfo": "engine", "VLLMModelSide": "model", "register": "plugin",
           "BroadcastTrainerInitInfo": "broadcast", "full_checkpoint_tensors": "broadcast",
-          "transfer_state": "inspect"}
+          "transfer_state": "inspect", "engine_precision": "init_info"}
 
 
 def __getattr__(name: str):

@@ -169,7 +169,8 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardWeightTransferInit
         self._close_session(init_info.method)
         side, failure = None, None
         try:
-            side = VLLMModelSide.from_worker(self.model, self.vllm_config, rank, first)
+            side = VLLMModelSide.from_worker(self.model, self.vllm_config, rank, first,
+                                             policy=init_info.refit_options.policy)
         except Exception as error:  # noqa: BLE001 - every rank of the session hears it
             failure = f"{type(error).__name__}: {error}"
         with self._last_worker_raises():

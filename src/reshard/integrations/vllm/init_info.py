@@ -9,6 +9,15 @@ anything connects.
 
     info = ReshardTrainerInitInfo(rank=0, master_address=host, master_port=port, num_trainer_ranks=2,
                                   world_size=4, options=RefitOptions(method="hybrid", checksum=True))
+
+**FP8 engines.** The refit's dtype policy is ``options.precision`` (a name: it crosses to the workers
+as JSON). An engine serving a block-FP8 checkpoint is refitted from a BF16 trainer with
+``RefitOptions(precision="fp8")``, or with the policy its quantization config asks for,
+``RefitOptions(precision=engine_precision(checkpoint))`` (:func:`engine_precision`). Each worker
+checks the policy against its engine at connect: a tensor the policy puts in another precision
+than the engine holds it (a BF16 refit into FP8 weights, FP8 into a layer the engine keeps in
+BF16, another block size) fails the connect on every rank with an error naming the tensor, before
+any byte moves.
 """
 
 from __future__ import annotations
@@ -99,6 +108,54 @@ class ReshardTrainerInitInfo(TrainerInitInfo):
                 "rank_offsets": self.rank_offsets, "comm_backend": self.comm_backend, "options": self.options.to_json()}
 
 
+def engine_precision(engine) -> str | None:
+    """The dtype policy (its name, for ``RefitOptions(precision=...)``) that an engine's
+    ``quantization_config`` asks for: ``"fp8"`` for block FP8 with 128x128 blocks (DeepSeek-V3's and
+    Kimi-K2's checkpoints: ``quant_method`` fp8, e4m3, ``weight_block_size`` [128, 128]), ``"mxfp8"``
+    for vLLM's MXFP8 (``quant_method`` mxfp8), None for an unquantized engine. ``engine``: the checkpoint
+    folder (every trainer rank can read it), its ``config.json`` as a dict, an ``LLM``, or a vLLM or
+    Hugging Face config. A quantization no named policy matches is a ``ValueError`` saying what it is.
+
+    >>> engine_precision({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
+    ...                                           "weight_block_size": [128, 128]}})
+    'fp8'
+    >>> engine_precision({"model_type": "qwen3"}) is None
+    True
+    """
+    config = _quantization_config(engine)
+    if config is None:
+        return None
+    method = str(config.get("quant_method", "")).lower()
+    block = config.get("weight_block_size")
+    if method == "fp8" and block is not None and list(block) == [128, 128] and config.get("fmt", "e4m3") == "e4m3" \
+            and config.get("activation_scheme", "dynamic") == "dynamic":
+        return "fp8"
+    if method == "mxfp8":
+        return "mxfp8"
+    raise ValueError(f"the engine's quantization_config {config} matches no dtype policy of reshard (block FP8 "
+                     f"128x128 e4m3 with dynamic activations: 'fp8'; 'mxfp8'): give RefitOptions(precision=a "
+                     f"DtypePolicy) for a session without vLLM, or serve one of those")
+
+
+def _quantization_config(engine) -> dict | None:
+    import json
+    import os
+
+    if isinstance(engine, (str, os.PathLike)):
+        with open(os.path.join(engine, "config.json")) as f:
+            engine = json.load(f)
+    llm_engine = getattr(engine, "llm_engine", None)  # an offline LLM
+    if llm_engine is not None:
+        engine = llm_engine.vllm_config
+    engine = getattr(engine, "model_config", engine)  # a VllmConfig
+    engine = getattr(engine, "hf_config", engine)  # a ModelConfig
+    config = engine.get("quantization_config") if isinstance(engine, dict) else getattr(
+        engine, "quantization_config", None)
+    if config is not None and not isinstance(config, dict):
+        config = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+    return config
+
+
 def as_options(options: RefitOptions | Mapping) -> RefitOptions:
     """``options`` (a RefitOptions, or its JSON as :meth:`RefitOptions.to_json` wrote it) as a RefitOptions
     that can cross to the workers as JSON (an ``OptionsError`` for one that holds code)."""
@@ -107,4 +164,4 @@ def as_options(options: RefitOptions | Mapping) -> RefitOptions:
     return options
 
 
-__all__ = ["PAUSE_MODES", "ReshardTrainerInitInfo", "as_options", "check_pause_mode"]
+__all__ = ["PAUSE_MODES", "ReshardTrainerInitInfo", "as_options", "check_pause_mode", "engine_precision"]

