@@ -36,10 +36,25 @@ import torch
 from reshard.execution.process_group import free_port
 from reshard.options import RefitOptions
 
-pytestmark = [pytest.mark.slow]
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROMPTS = ["hello world", "the quick brown fox"]
+
+
+def test_engine_precision_reads_the_policy_from_the_quantization_config(tmp_path):
+    pytest.importorskip("vllm")
+    import json
+
+    from reshard.integrations.vllm import engine_precision
+    from vllm_helpers import fp8_quantization_config
+
+    assert engine_precision({"quantization_config": fp8_quantization_config()}) == "fp8"
+    assert engine_precision({"quantization_config": {"quant_method": "mxfp8"}}) == "mxfp8"
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    assert engine_precision(str(tmp_path)) is None
+    for config in (fp8_quantization_config((64, 64)), {**fp8_quantization_config(), "activation_scheme": "static"},
+                   {"quant_method": "awq"}):
+        with pytest.raises(ValueError, match="matches no dtype policy"):
+            engine_precision({"quantization_config": config})
 
 
 def _generate(llm) -> list[list[int]]:
@@ -76,6 +91,7 @@ def _check_equal(llm, fresh, what: str) -> None:
     assert tokens == want_tokens, f"{what}: greedy tokens {tokens} != a fresh FP8 engine's {want_tokens}"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_bf16_trainer_refits_block_fp8_engine_bit_equal_to_fresh_fp8_loads(tmp_path, monkeypatch):
     pytest.importorskip("vllm")
@@ -170,6 +186,7 @@ def test_bf16_trainer_refits_block_fp8_engine_bit_equal_to_fresh_fp8_loads(tmp_p
             close_engine(llm)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_bf16_trainer_refits_block_fp8_moe_engine_bit_equal_to_fresh_fp8_loads(tmp_path, monkeypatch):
     """Qwen3-MoE in block FP8 at TP=1 with vLLM's own CPU kernels (experts: ``CPUExpertsFp8``, AMX only):
