@@ -26,6 +26,18 @@ The reprocessed way still moves only this rank's boxes (no full tensor, no ``loa
 parameter's loader is a plain copy of its staged tensor for the duration of the refit. The session
 reports the bytes of each way.
 
+**FP8 engines** (a refit under a dtype policy, ``RefitOptions(precision="fp8")``): the side
+declares the engine's layout at the engine's dtype (what the trainer sends) and holds the buffers
+of :func:`~reshard.planning.precision.precision_layout`, which are vLLM's own block-FP8 parameters:
+``weight`` in float8_e4m3fn and ``weight_scale_inv`` (FusedMoE: ``w13_weight_scale_inv``,
+``w2_weight_scale_inv``). They are checked against vLLM's recorded form like any buffer, so a
+policy the engine contradicts fails at connect naming the tensor (the message says the engine's
+quantization and the policy). Quantized layers always take the reprocessed way: vLLM's FP8
+kernels post-process what was loaded (on CPU ``CPUFp8BlockScaledMMKernel`` repacks the weight for
+AMX; ``Fp8MoEMethod`` converts and repacks ``w13``/``w2`` on every load). The attention layers'
+KV-cache scales a quantized engine makes (``attn.k_scale``, ...) fill no checkpoint weight and
+are left alone.
+
 **Staged receives** (``receive="staged"``): the engine serves while the bytes arrive, so the
 reprocessing must not touch a live layer before the engine is paused. Once every byte arrived
 (before the commit), :meth:`VLLMModelSide.prepare_staged` runs the same layerwise reload on a
