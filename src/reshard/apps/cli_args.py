@@ -298,7 +298,9 @@ def plan_parser(sub) -> argparse.ArgumentParser:
                         "fp8 (e4m3 with one float32 scale per 128x128 block for the linear weights; routers, norms, "
                         "embeddings and the head kept) or mxfp8 (OCP MX: e4m3 with one E8M0 scale per 32 elements "
                         "along the input dim, vLLM's weight_scale): plans the refit straight into FP8 engines, each block "
-                        "quantized where it is whole (a source rank, else the destination); the tables and --json "
+                        "quantized where it is whole (a source rank; else, where the training ranks of one NVLink domain "
+                        "of --topology (8 GPUs without it) hold it together, one of them after the others hand it "
+                        "their rows; else the destination); the tables and --json "
                         "report its wire bytes, by precision (fp8, scales, raw, other), and where blocks are "
                         "quantized; a destination split through a block is an error naming the tensor")
     parser.add_argument("--plot", metavar="DIR", nargs="?", const=DEFAULT_OUT, default=None,
@@ -326,7 +328,8 @@ def plan_parser(sub) -> argparse.ArgumentParser:
                         "rounds use a 2 GiB staging cap (1 GiB rounds) unless --max-bucket-mb is set, "
                         "broadcasts 1 GiB buckets; "
                         "always precision, wire_bytes_by_precision ({fp8, scales, raw, other}), wire_bytes_by_dtype, "
-                        "blocks ({at_source, at_destination}) and bf16_wire_bytes (the BF16 plan's, to compare)")
+                        "blocks ({at_source, assembled, at_destination}), assembly_bytes (handed over inside training "
+                        "domains first) and bf16_wire_bytes (the BF16 plan's, to compare)")
     parser.set_defaults(check=check_plan, parser=parser)
     return parser
 
