@@ -81,6 +81,9 @@ class ReshardExecutor(Executor):
         super().__init__(plan, group, timeout=timeout, checksum=checksum, allow_lossy=allow_lossy)
         self.overlap = overlap
         self.parts: list[RankPlan] = [] if self.setup_error else [p.for_rank(self.rank) for p in plan.phases]
+        # a pipelined hierarchical plan: per step, this rank's part of each phase in it
+        self.steps = (plan.steps_for_rank(self.rank) if not self.setup_error and getattr(plan, "is_pipelined", False)
+                      else None)
 
     def check(self, src: Buffers, dst: Buffers) -> str | None:
         """The first problem with this rank's buffers for the plan, or None: missing, wrong shape or
@@ -133,6 +136,8 @@ class ReshardExecutor(Executor):
         that stays under ``max_bucket_bytes`` (plus the largest copy of each round in flight).
         """
         extra = DIGEST_BYTES if self.checksum else 0
+        if self.steps is not None:
+            return max((_Slots.of(_StepRounds(step), self.overlap, extra).nbytes for step in self.steps), default=0)
         return max((_Slots.of(part, self.overlap, extra).nbytes for part in self.parts), default=0)
 
     def run(self, src_buffers: Buffers, dst_buffers: Buffers, *, decide: bool = True) -> RunStats:
@@ -164,6 +169,8 @@ class ReshardExecutor(Executor):
         """Every phase's bytes, in order, with no check, agreement or decision: the part of :meth:`run`
         that a composite executor (:class:`~reshard.execution.hybrid.HybridExecutor`) runs after its
         own checks. Later phases read what earlier ones wrote into ``dst_buffers``."""
+        if self.steps is not None:
+            return [self._run_step(s, step, src_buffers, dst_buffers, device) for s, step in enumerate(self.steps)]
         return [self._run_phase(name, part, src_buffers if i == 0 else dst_buffers, dst_buffers, device)
                 for i, (name, part) in enumerate(zip(self.plan.phase_names, self.parts))]
 
@@ -183,17 +190,49 @@ class ReshardExecutor(Executor):
         return PhaseStats(name, time.perf_counter() - start, part.send_bytes, part.recv_bytes, local, slots.nbytes,
                           part.num_rounds, len(part.sends))
 
+    def _run_step(self, index: int, step: list, src_buffers: Buffers, dst_buffers: Buffers,
+                  device: torch.device) -> PhaseStats:
+        """One step of a pipelined plan: every phase in it (phase p of chunk ``index - p``) moves its
+        sub-rounds together, in the order of :meth:`_rounds`; fan-out copies after its last sub-round.
+        Phases of one step touch different tensors (their chunks differ), and a phase's chunk reads
+        only what earlier steps wrote."""
+        start = time.perf_counter()
+        names = self.plan.phase_names
+        name = f"step {index} (" + ", ".join(f"{names[sp.phase]} chunk {index - sp.phase}" for sp in step) + ")"
+        rounds = _StepRounds(step)
+        slots = _Slots.of(rounds, self.overlap, DIGEST_BYTES if self.checksum else 0)
+        arena = torch.empty(slots.nbytes, dtype=torch.uint8, device=device)
+        reads = {id(m): (src_buffers if sp.phase == 0 else dst_buffers) for sp in step for m in sp.part.sends}
+        locals_ = [(sp.part.local, src_buffers if sp.phase == 0 else dst_buffers) for sp in step]
+        self._rounds(name, rounds, src_buffers, dst_buffers, slots, arena, reads=reads, locals_=locals_)
+        del arena
+        self.where = f"{name} fan-out"
+        for sp in step:
+            copy_within(sp.part.fanout, dst_buffers, dst_buffers, self.rank)
+        synchronize(device)
+        local = sum(c.nbytes for sp in step for c in sp.part.local + sp.part.fanout)
+        return PhaseStats(name, time.perf_counter() - start, rounds.send_bytes, rounds.recv_bytes, local, slots.nbytes,
+                          rounds.num_rounds, len(rounds.sends))
+
     def _rounds(self, name: str, part: RankPlan, src_buffers: Buffers, dst_buffers: Buffers, slots: _Slots,
-                arena: torch.Tensor) -> None:
-        """The local copies and every round of a phase, in the order the module doc shows."""
+                arena: torch.Tensor, reads: dict | None = None, locals_: list | None = None) -> None:
+        """The local copies and every round of a phase, in the order the module doc shows (``reads``:
+        the buffers each send message packs from, by id, default ``src_buffers``; ``locals_``: the
+        local copies with the buffers they read, default ``part.local`` from ``src_buffers``)."""
         rank, checksum = self.rank, self.checksum
+        reads = reads or {}
+        local_runs = [(part.local, src_buffers)] if locals_ is None else locals_
+
+        def copy_locals() -> None:
+            for copies, source in local_runs:
+                copy_within(copies, source, dst_buffers, rank)
 
         def packed(j: int) -> _Round:
             self.where = f"{name} round {j}"
             sends, recvs = part.round(j)
             out, inc = slots.views(arena, j, sends, recvs)
             for m, t in zip(sends, out):
-                pack(m, src_buffers, rank, t[: m.nbytes])
+                pack(m, reads.get(id(m), src_buffers), rank, t[: m.nbytes])
                 if checksum:
                     t[m.nbytes:] = _digest(t[: m.nbytes])
             faults.hit(f"{name} round {j}", out[0] if out else None)
@@ -216,7 +255,7 @@ class ReshardExecutor(Executor):
 
         n = part.num_rounds
         if not self.overlap or n == 0:
-            copy_within(part.local, src_buffers, dst_buffers, rank)
+            copy_locals()
             for j in range(n):
                 r = packed(j)
                 wait(r, post(r))
@@ -224,7 +263,7 @@ class ReshardExecutor(Executor):
             return
         cur = packed(0)
         works, prev = post(cur), None
-        copy_within(part.local, src_buffers, dst_buffers, rank)  # while round 0 is on the wire
+        copy_locals()  # while round 0 is on the wire
         for j in range(n):
             nxt = packed(j + 1) if j + 1 < n else None  # while round j is on the wire
             if prev is not None:
@@ -249,6 +288,44 @@ class _Round(NamedTuple):
     recvs: list[Message]
     out: list[torch.Tensor]
     inc: list[torch.Tensor]
+
+
+class _StepRounds(RankPlan):
+    """A pipelined step's messages as one rank part: sub-round ``j`` holds the ``j``-th message of
+    every stream of every phase in the step, each phase's messages in phase order (both ends of a
+    stream post them in the same order)."""
+
+    def __init__(self, step: list) -> None:
+        super().__init__(step[0].part.rank if step else -1)
+        for sp in step:
+            self.sends.extend(sp.part.sends)
+            self.recvs.extend(sp.part.recvs)
+        order = {id(m): i for i, m in enumerate(self.sends + self.recvs)}
+        self.sends.sort(key=lambda m: (m.round, order[id(m)]))
+        self.recvs.sort(key=lambda m: (m.round, order[id(m)]))
+
+
+def run_local_pipelined(plan, src_buffers, dst_buffers) -> None:
+    """Every rank's part of a pipelined hierarchical plan in this process, step by step and sub-round
+    by sub-round, through the packing functions the executor uses (``run_local`` calls it)."""
+    ranks = sorted(set(plan.source.ranks) | set(plan.destination.ranks))
+    steps = {r: plan.steps_for_rank(r) for r in ranks}
+    empty: dict[str, torch.Tensor] = {}
+    for s in range(plan.num_steps):
+        for r in ranks:
+            for sp in steps[r][s]:
+                source = src_buffers if sp.phase == 0 else dst_buffers
+                copy_within(sp.part.local, source.get(r, empty), dst_buffers.get(r, empty), r)
+        for r in ranks:
+            for sp in steps[r][s]:
+                source = (src_buffers if sp.phase == 0 else dst_buffers).get(r, empty)
+                for m in sp.part.sends:
+                    theirs = next(x for x in steps[m.peer][s] if x.phase == sp.phase)
+                    peer_msg = next(x for x in theirs.part.recvs if x.peer == r and x.round == m.round)
+                    unpack(peer_msg, pack(m, source, r), dst_buffers.get(m.peer, empty), m.peer)
+        for r in ranks:
+            for sp in steps[r][s]:
+                copy_within(sp.part.fanout, dst_buffers.get(r, empty), dst_buffers.get(r, empty), r)
 
 
 class _Slots:

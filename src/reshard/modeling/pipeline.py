@@ -63,7 +63,10 @@ from .estimate import Estimate
 from .plots import plot_link_load, plot_pair_bytes
 from .reshard_time import model_time
 from .topology import Placement, Topology
-from .traffic import Traffic, traffic_from_pairs
+from .traffic import PhaseTraffic, Traffic, traffic_from_pairs
+
+
+PIPELINE_CHUNKS = 8  # tensor chunks of the pipelined order in the model (and reshard simulate)
 
 
 @dataclass
@@ -122,8 +125,33 @@ class RefitModel:
         """What reshard runs on this machine: network once per domain, then NVLink, where there are domains."""
         return self.hierarchical if self.hierarchical is not None else self.direct
 
+    def pipelined(self, chunks: int | None = None) -> HierarchicalPlan | None:
+        """The hierarchical plan in its pipelined order (:meth:`HierarchicalPlan.pipelined`, same
+        copies; ``chunks`` default :data:`PIPELINE_CHUNKS`), None where there is no hierarchical plan."""
+        if self.hierarchical is None:
+            return None
+        key = ("pipelined", chunks)
+        hit = self._estimates.get(key)
+        if hit is None:
+            hit = self._estimates[key] = self.hierarchical.pipelined(chunks or PIPELINE_CHUNKS)
+        return hit
+
+    def fastest_order(self, chunks=(1, 4, 8, PIPELINE_CHUNKS), *, rounds_cap: int | None = None) -> PhasedPlan:
+        """The hierarchical plan in whichever order models fastest on this machine: sequential
+        (``chunks=1``) or pipelined over each of ``chunks`` (the same copies either way); the direct
+        plan where there is no hierarchical one. Pipelining costs rounds (each step is a round
+        boundary) and can be unbalanced per chunk, so on a latency-bound plan the sequential order
+        can win; choosing by the model keeps the faster."""
+        if self.hierarchical is None:
+            return self.direct
+        options = [self.hierarchical if c == 1 else self.pipelined(c) for c in chunks]
+        return min(options, key=lambda p: self.estimate(p, rounds_cap=rounds_cap)[1].seconds)
+
     def traffic(self, plan: PhasedPlan, *, rounds_cap: int | None = None) -> Traffic:
-        """Link load of ``plan``'s phases on the placement (rounds: see module doc)."""
+        """Link load of ``plan``'s phases on the placement (rounds: see module doc); a pipelined
+        hierarchical plan as its steps (:func:`pipelined_traffic`)."""
+        if getattr(plan, "is_pipelined", False):
+            return pipelined_traffic(plan, self.placement, self.topology, rounds_cap=rounds_cap)
         quotas = [p.quotas for p in plan.phases] if plan.max_bucket_bytes is not None else None
         return traffic_from_pairs([p.pair_bytes for p in plan.phases], self.placement, self.topology,
                                   names=plan.phase_names, quotas=quotas, max_bucket_bytes=rounds_cap)
@@ -259,6 +287,39 @@ class RefitModel:
                                title=f"{title}: link load per GPU")]
 
 
+def pipelined_traffic(plan: HierarchicalPlan, placement: Placement, topology: Topology | None = None, *,
+                      rounds_cap: int | None = None) -> Traffic:
+    """Link load of a pipelined hierarchical plan as the executor runs it: one modeled "phase" per
+    step, holding every phase that runs in the step (phase p of chunk s - p), whose streams move
+    their chunk's bytes (:meth:`HierarchicalPlan.step_pair_bytes`) in the step's sub-rounds
+    (the phases sharing the staging cap); sub-round
+    j of a step carries message j of every stream of every phase in it, each stream's bytes spread
+    over the step's sub-rounds (:meth:`HierarchicalPlan.step_rounds`), so links of different phases
+    are busy in the same rounds. An uncapped plan is modeled at the staging cap ``rounds_cap``
+    (the planner's quota rule), else one sub-round per step."""
+    names = plan.phase_names
+    cap = rounds_cap if plan.max_bucket_bytes is None else None
+    steps = []
+    for s, (members, rounds) in enumerate(zip(plan.step_pair_bytes(), plan.step_rounds(cap))):
+        one = traffic_from_pairs([pairs for _, pairs in members], placement, topology,
+                                 names=[names[p] for p, _ in members], rounds=rounds)
+        label = f"step {s} (" + ", ".join(f"{names[p]} chunk {s - p}" for p, _ in members) + ")"
+        steps.append(_sum_phases(label, one.phases))
+    return Traffic(placement, steps)
+
+
+def _sum_phases(name: str, parts: list[PhaseTraffic]) -> PhaseTraffic:
+    """Phases that run in the same rounds, added round by round (the shorter ones padded)."""
+    rounds = max(p.rounds for p in parts)
+    gpus = parts[0].bytes.shape[2]
+    out = PhaseTraffic.empty(name, rounds, gpus)
+    for p in parts:
+        n = p.rounds
+        for field_name in ("bytes", "messages", "pack_bytes", "unpack_bytes", "pack_copies", "unpack_copies"):
+            getattr(out, field_name)[:n] += getattr(p, field_name)
+    return out
+
+
 @dataclass(frozen=True)
 class _Refit:
     """The layouts and tensors of a refit, all :func:`~reshard.modeling.baseline_time.gather_broadcast_time_of`
@@ -295,4 +356,4 @@ def exclusive_source_bytes(p: Plan) -> dict[int, float]:
     return out
 
 
-__all__ = ["RefitModel", "exclusive_source_bytes"]
+__all__ = ["PIPELINE_CHUNKS", "RefitModel", "exclusive_source_bytes", "pipelined_traffic"]

@@ -34,9 +34,9 @@ replicas frameworks make. Partially overlapping boxes are planned as they are.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 import numpy as np
 
@@ -44,6 +44,8 @@ from ..gc_pause import without_gc
 from ..layout import Layout, PieceTable, Repeated, read_only
 from ..tensors import itemsize
 from .plan import Plan, domain_array
+from .rank_plan import RankPlan
+from .schedule import ALIGN, Message, aligned, chunk_stream, round_cap
 
 AUTO = "auto"
 SEED_UNITS = 8  # runs of tensors sharing a geometry that may seed a relayed box on different ranks
@@ -60,6 +62,8 @@ class HierarchicalPlan:
     forward: Plan  # receivers -> the other ranks of their domain, over NVLink
     domains: dict[int, int]
     relay: Plan | None = None  # seeds -> receivers of other domains, over the network
+    chunks: int = 1  # 1: phases one after another; more: pipelined over this many tensor chunks (see pipelined)
+    _steps: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def max_bucket_bytes(self) -> int | None:
@@ -92,12 +96,245 @@ class HierarchicalPlan:
         return sum(p.wire_bytes for p in self.phases)
 
     def fingerprint(self) -> str:
-        return "".join(p.fingerprint() for p in self.phases)
+        out = "".join(p.fingerprint() for p in self.phases)
+        return out if not self.is_pipelined else f"{out}-pipelined{self.chunks}"
 
     def summary(self) -> dict:
         out = {name: p.summary() for name, p in zip(self.phase_names, self.phases)}
         out["cross_domain_bytes"] = sum(self.cross_domain_bytes.values())
+        if self.is_pipelined:
+            out["pipelined"] = {"chunks": self.chunks, "steps": self.num_steps}
         return out
+
+    # ------------------------------------------------------------------ pipelined order
+    def pipelined(self, chunks: int = 8) -> "HierarchicalPlan":
+        """The same phases (the same copies, sources, receivers and seeds) run pipelined: the
+        destination's tensors are dealt into ``chunks`` chunks (:func:`tensor_chunks`) and step ``s``
+        runs phase ``p`` of chunk ``s - p`` for every phase at once, so the NVLink forward of chunk c
+        moves in the same rounds as the network transfer of chunk c+1 (and, with a relay, the relay
+        of chunk c). Every rank builds its own steps alone (:meth:`steps_for_rank`); ``chunks=1`` is
+        the sequential order.
+
+        Staging: the phases of a step share the staging cap evenly: in a sub-round each phase's
+        streams of a rank stage at most the round cap over the number of phases
+        (:meth:`step_rounds`), so what a rank stages in a sub-round, every phase together, stays
+        within the round cap (half of ``max_bucket_bytes``, two sub-rounds in flight) as a
+        sequential round does, plus at most ``2 * ALIGN`` per stream of rounding.
+
+        >>> import torch, reshard as rs
+        >>> spec = rs.TensorSpec("w", (8, 4), torch.float32)
+        >>> src = rs.Layout.from_placements(spec, ranks=[0, 1], mesh_shape=(2,), placements=[rs.Shard(0)])
+        >>> dst = rs.Layout.from_placements(spec, ranks=[2, 3], mesh_shape=(2,), placements=[rs.Replicate()])
+        >>> h = hierarchical_plan(src, dst, {0: 0, 1: 0, 2: 1, 3: 1}).pipelined(4)
+        >>> h.chunks, h.num_steps    # rows 0-1 of w, 2-3, 4-5, 6-7 in turn; two phases: five steps
+        (4, 5)
+        """
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"pipelined: chunks must be an integer >= 1, got {chunks!r}")
+        tensors = sum(1 for t in self.destination.tables.values() if len(t))
+        return replace(self, chunks=chunks if tensors else 1, _steps={})
+
+    @property
+    def is_pipelined(self) -> bool:
+        return self.chunks > 1 and len(self.phases) > 1
+
+    @property
+    def num_steps(self) -> int:
+        """Steps of the pipelined order (chunks + phases - 1); the phases, in the sequential one."""
+        return self.chunks + len(self.phases) - 1 if self.is_pipelined else len(self.phases)
+
+    @cached_property
+    def chunk_of(self) -> dict[str, int]:
+        """Each destination tensor's rotation: its band ``k`` of rows is in chunk ``(k + rotation) % chunks``
+        (:func:`tensor_chunks`)."""
+        return tensor_chunks(self.destination, self.chunks)
+
+    def split_by_chunk(self, c) -> list[tuple[int, object]]:
+        """``[(chunk, sub-copy)]``: copy ``c`` cut at the row bands of its tensor (:func:`row_bands`)."""
+        n = self.destination.specs[c.tensor].shape[0]
+        lo, size = c.offsets[0], c.sizes[0]
+        rot, k = self.chunk_of[c.tensor], self.chunks
+        out = []
+        for band, (a, b) in enumerate(row_bands(n, k)):
+            a, b = max(a, lo), min(b, lo + size)
+            if a < b:
+                out.append(((band + rot) % k, c if (a, b) == (lo, lo + size) else c.narrow(0, a - lo, b - a)))
+        return out
+
+    def phase_share(self) -> int:
+        """How many phases share a round's staging cap: the number of phases when pipelined, else 1."""
+        return len(self.phases) if self.is_pipelined else 1
+
+    @cached_property
+    def _chunk_pairs(self) -> list[list[dict[tuple[int, int], int]]]:
+        return [chunk_pair_bytes(phase, self.chunk_of, self.chunks) for phase in self.phases]
+
+    def step_rounds(self, cap: int | None = None) -> list[int]:
+        """Sub-rounds of each step: the most any rank needs to stage its streams of any phase in the
+        step within that phase's share of the round cap (``B / phases``, ``B`` the round cap of the
+        plan's ``max_bucket_bytes``, or of ``cap`` for an uncapped plan; 1 without either). Every
+        stream of the step is cut into about this many equal messages, so the phases of a step (a
+        network chunk on NICs, an NVLink chunk) keep their links busy in the same sub-rounds, and a
+        rank stages at most ``B`` per sub-round (plus ``ALIGN`` per stream). A plan-wide figure from
+        the plan's arrays, the same on every rank, as the quotas are."""
+        cap = self.max_bucket_bytes if self.max_bucket_bytes is not None else cap
+        members_of = self.step_pair_bytes()
+        if cap is None:
+            return [1] * len(members_of)
+        share = round_cap(cap) // self.phase_share()
+        out = []
+        for members in members_of:
+            rounds = 1
+            for _, pairs in members:
+                load: dict[int, int] = {}
+                count: dict[int, int] = {}
+                for (a, b), nbytes in pairs.items():
+                    for x in (a, b):
+                        load[x] = load.get(x, 0) + nbytes
+                        count[x] = count.get(x, 0) + 1
+                for x, nbytes in load.items():
+                    room = max(share - 2 * ALIGN * count[x], ALIGN)
+                    rounds = max(rounds, -(-nbytes // room))
+            out.append(rounds)
+        return out
+
+    def steps_for_rank(self, rank: int) -> list[list["StepPart"]]:
+        """``rank``'s part of each step of the pipelined order: per step, one :class:`StepPart` per
+        phase that runs in it (phase ``p`` of chunk ``s - p``). Sub-round ``j`` of a step carries
+        the ``j``-th message of every stream of every phase in it; each stream's chunk is cut into
+        about :meth:`step_rounds` messages (its quota: its staged bytes over that, at most
+        :meth:`step_rounds`). Both ends of a stream cut the same copies the same way, so they agree
+        with no other rank's part. Built from this rank's own part of each phase (``Plan.for_rank``
+        with no round cap, then cut per chunk) and plan-wide figures."""
+        rank = int(rank)
+        hit = self._steps.get(rank)
+        if hit is not None:
+            return hit
+        num_chunks = self.chunks
+        rounds = self.step_rounds()
+        per_phase = []  # [phase][chunk] -> StepPart
+        for p, phase in enumerate(self.phases):
+            whole = phase._rank_plans.build(rank, dict)  # every stream as one message, in stream order
+            capped = self.max_bucket_bytes is not None
+            parts = [StepPart(p, RankPlan(rank)) for _ in range(num_chunks)]
+            for messages, sending in ((whole.sends, True), (whole.recvs, False)):
+                for m in messages:
+                    pair = (rank, m.peer) if sending else (m.peer, rank)
+                    by_chunk: list[list] = [[] for _ in range(num_chunks)]
+                    for c in m.copies:
+                        for k, piece in self.split_by_chunk(c):
+                            by_chunk[k].append(piece)
+                    for k, copies in enumerate(by_chunk):
+                        if not copies:
+                            continue
+                        quota = None  # about step_rounds equal messages
+                        if capped:
+                            staged = sum(aligned(c.nbytes) for c in copies)
+                            quota = max(ALIGN, aligned(-(-staged // rounds[k + p])))
+                        into = parts[k].part.sends if sending else parts[k].part.recvs
+                        for j, piece in enumerate(chunk_stream(copies, quota)):
+                            into.append(Message(m.peer, j, piece))
+            for kind in ("local", "fanout"):
+                for c in getattr(whole, kind):
+                    for k, piece in self.split_by_chunk(c):
+                        getattr(parts[k].part, kind).append(piece)
+            per_phase.append(parts)
+        steps = []
+        for s in range(num_chunks + len(self.phases) - 1):
+            steps.append([per_phase[p][s - p] for p in range(len(self.phases)) if 0 <= s - p < num_chunks])
+        self._steps[rank] = steps
+        return steps
+
+    def step_pair_bytes(self) -> list[list[tuple[int, dict[tuple[int, int], int]]]]:
+        """Per step, ``(phase index, {(src, dst): bytes})`` of every phase in it: the bytes of the
+        phase's chunk (from the plan's arrays, no rank's part built); the cost model's input."""
+        per_phase = self._chunk_pairs
+        return [[(p, per_phase[p][s - p]) for p in range(len(self.phases)) if 0 <= s - p < self.chunks]
+                for s in range(self.chunks + len(self.phases) - 1)]
+
+
+class StepPart(NamedTuple):
+    """One phase's part of one step of the pipelined order, on one rank (``part.round(j)`` gives
+    the sub-round ``j`` messages; phase 0 reads the source buffers, later phases the destination)."""
+
+    phase: int
+    part: RankPlan
+
+
+def row_bands(rows: int, chunks: int) -> list[tuple[int, int]]:
+    """The ``chunks`` bands ``[a, b)`` of a tensor's first dim (``rows`` long), as even as can be.
+
+    >>> row_bands(10, 4)
+    [(0, 2), (2, 5), (5, 7), (7, 10)]
+    """
+    edges = [rows * k // chunks for k in range(chunks + 1)]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def tensor_chunks(destination: Layout, chunks: int) -> dict[str, int]:
+    """``{tensor: rotation}``: band ``k`` of a tensor's rows (:func:`row_bands`) goes in chunk
+    ``(k + rotation) % chunks``, the rotation being the tensor's position among the destination's
+    tensors. Every chunk then holds 1/chunks of the rows of every tensor, so every stream (whole
+    tensors, a pipeline stage's layers, a TP rank's rows of many tensors) sends about 1/chunks of its
+    bytes in each step. The same on every rank (it reads only the layout's tensor order); an element
+    is in the same chunk in every phase, so a phase's chunk reads only what earlier phases'
+    same chunk wrote.
+
+    >>> import torch, reshard as rs
+    >>> specs = [rs.TensorSpec(n, (4,), torch.float32) for n in "abc"]
+    >>> dst = rs.Layout.merge([rs.Layout.from_placements(s, [0], (1,), [rs.Replicate()]) for s in specs])
+    >>> tensor_chunks(dst, 2)
+    {'a': 0, 'b': 1, 'c': 0}
+    """
+    names = [name for name, t in destination.tables.items() if len(t)]
+    return {name: i % max(int(chunks), 1) for i, name in enumerate(names)}
+
+
+def chunk_pair_bytes(phase: Plan, chunk_of: Mapping[str, int], chunks: int) -> list[dict[tuple[int, int], int]]:
+    """Per chunk, ``{(src, dst): bytes}`` of the phase's copies between distinct ranks, each copy's
+    rows counted in the chunk of their band (:func:`tensor_chunks`); sums to ``phase.pair_bytes``."""
+    from .intersect import REMOTE
+    codes, weights = [], []
+    ranks = set(phase.source.ranks) | set(phase.destination.ranks)
+    width = max(ranks, default=0) + 1
+    w2 = width * width
+    for group in phase._groups:
+        rot = np.array([chunk_of[n] for n in group.tensors], np.int64)
+        n = phase.destination.specs[group.tensors[0]].shape[0]
+        lo = group.items.offsets[:, 0]
+        size = np.maximum(group.items.sizes[:, 0], 1)
+        edges = np.array([n * k // chunks for k in range(chunks + 1)], np.int64)
+        frac = np.clip(np.minimum(lo[None, :] + size[None, :], edges[1:, None]) - np.maximum(lo[None, :], edges[:-1, None]),
+                       0, None) / size[None, :]  # [band, item]: the share of the item's rows in each band
+        fixed = np.flatnonzero((group.items.kind == REMOTE) & (group.choice_of < 0))
+        if len(fixed):
+            pair = group.rank[fixed] * width + group.dst_rank[fixed]
+            per_rot = np.zeros((chunks, len(fixed)))  # bytes of each item summed over tensors of one rotation
+            np.add.at(per_rot, rot, np.broadcast_to(group.nbytes[:, fixed], (len(rot), len(fixed))))
+            for r in np.flatnonzero(per_rot.any(axis=1)).tolist():
+                for band in range(chunks):
+                    codes.append(((band + r) % chunks) * w2 + pair)
+                    weights.append(per_rot[r] * frac[band, fixed])
+        if len(group.choice_cols):
+            cols = group.choice_cols
+            pair = (group.choice_rank * width + group.dst_rank[cols][None, :]).ravel()
+            nb = np.broadcast_to(group.nbytes[:, cols], group.choice_rank.shape)
+            for band in range(chunks):
+                if not frac[band, cols].any():
+                    continue
+                chunk = ((band + rot) % chunks)[:, None]
+                codes.append((np.broadcast_to(chunk * w2, group.choice_rank.shape)).ravel() + pair)
+                weights.append((nb * frac[band, cols][None, :]).ravel())
+    out: list[dict[tuple[int, int], int]] = [{} for _ in range(chunks)]
+    if not codes:
+        return out
+    code, weight = np.concatenate(codes), np.concatenate(weights).astype(np.float64)
+    keys, inv = np.unique(code, return_inverse=True)
+    sums = np.bincount(inv.reshape(-1), weights=weight)
+    for key, value in zip(keys.tolist(), sums.tolist()):
+        if value > 0.5 and (key % w2) // width != key % width:
+            out[key // w2][((key % w2) // width, key % width)] = int(round(value))
+    return out
 
 
 def cross_domain_bytes(pair_bytes: Mapping[tuple[int, int], int], domains: Mapping[int, int]) -> dict[int, int]:
