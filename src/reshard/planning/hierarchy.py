@@ -115,11 +115,11 @@ class HierarchicalPlan:
         of chunk c). Every rank builds its own steps alone (:meth:`steps_for_rank`); ``chunks=1`` is
         the sequential order.
 
-        Staging: the phases of a step share the staging cap evenly: in a sub-round each phase's
-        streams of a rank stage at most the round cap over the number of phases
-        (:meth:`step_rounds`), so what a rank stages in a sub-round, every phase together, stays
-        within the round cap (half of ``max_bucket_bytes``, two sub-rounds in flight) as a
-        sequential round does, plus at most ``2 * ALIGN`` per stream of rounding.
+        Staging: the phases of a step share the staging cap: every stream of a step is cut into the
+        step's number of sub-rounds, chosen so that what the busiest rank stages in a sub-round,
+        every phase's streams together, stays within the round cap (half of ``max_bucket_bytes``,
+        two sub-rounds in flight) as a sequential round does, plus at most ``2 * ALIGN`` per stream
+        of rounding (:meth:`step_rounds`).
 
         >>> import torch, reshard as rs
         >>> spec = rs.TensorSpec("w", (8, 4), torch.float32)
@@ -170,9 +170,9 @@ class HierarchicalPlan:
         return [chunk_pair_bytes(phase, self.chunk_of, self.chunks) for phase in self.phases]
 
     def step_rounds(self, cap: int | None = None) -> list[int]:
-        """Sub-rounds of each step: the most any rank needs to stage its streams of any phase in the
-        step within that phase's share of the round cap (``B / phases``, ``B`` the round cap of the
-        plan's ``max_bucket_bytes``, or of ``cap`` for an uncapped plan; 1 without either). Every
+        """Sub-rounds of each step: the most any rank needs to stage its streams of every phase in the
+        step together within the round cap ``B`` (of the plan's ``max_bucket_bytes``, or of ``cap``
+        for an uncapped plan; 1 without either): the phases of a step share ``B``. Every
         stream of the step is cut into about this many equal messages, so the phases of a step (a
         network chunk on NICs, an NVLink chunk) keep their links busy in the same sub-rounds, and a
         rank stages at most ``B`` per sub-round (plus ``ALIGN`` per stream). A plan-wide figure from
@@ -181,20 +181,20 @@ class HierarchicalPlan:
         members_of = self.step_pair_bytes()
         if cap is None:
             return [1] * len(members_of)
-        share = round_cap(cap) // self.phase_share()
+        room_of_cap = round_cap(cap)
         out = []
         for members in members_of:
             rounds = 1
+            load: dict[int, int] = {}  # what each rank stages over the step, every phase in it together
+            count: dict[int, int] = {}
             for _, pairs in members:
-                load: dict[int, int] = {}
-                count: dict[int, int] = {}
                 for (a, b), nbytes in pairs.items():
                     for x in (a, b):
                         load[x] = load.get(x, 0) + nbytes
                         count[x] = count.get(x, 0) + 1
-                for x, nbytes in load.items():
-                    room = max(share - 2 * ALIGN * count[x], ALIGN)
-                    rounds = max(rounds, -(-nbytes // room))
+            for x, nbytes in load.items():
+                room = max(room_of_cap - 2 * ALIGN * count[x], ALIGN)
+                rounds = max(rounds, -(-nbytes // room))
             out.append(rounds)
         return out
 
