@@ -374,16 +374,21 @@ class PrecisionPlan:
         source rank that held them / on one its domain handed them to / on destination ranks), ``raw_bytes``
         (raw blocks' bytes, once per destination that takes them)."""
         out = {}
+        alike: dict[tuple, dict[str, int]] = {}  # tensors sharing geometry and assembly share their counts
         for name, info in self.fp8.items():
-            paths = self.block_paths(name)
-            geometry = info.geometry
-            sizes = element_boxes(geometry.raw_lo, geometry.raw_hi, self.destination.specs[name].shape,
-                                  info.block)[1]
-            raw = int(sizes.prod(axis=1).sum())
-            out[name] = {"blocks": int(paths.size), "source": int((paths == SOURCE).sum()),
-                         "assembled": int((paths == ASSEMBLED).sum()),
-                         "destination": int((paths == DESTINATION).sum()),
-                         "raw_bytes": raw * info.source_dtype.itemsize}
+            shape = self.destination.specs[name].shape
+            key = (id(info.geometry), id(info.assembly), shape, info.block, info.source_dtype.itemsize)
+            hit = alike.get(key)
+            if hit is None:
+                paths = self.block_paths(name)
+                geometry = info.geometry
+                sizes = element_boxes(geometry.raw_lo, geometry.raw_hi, shape, info.block)[1]
+                raw = int(sizes.prod(axis=1).sum())
+                hit = alike[key] = {"blocks": int(paths.size), "source": int((paths == SOURCE).sum()),
+                                    "assembled": int((paths == ASSEMBLED).sum()),
+                                    "destination": int((paths == DESTINATION).sum()),
+                                    "raw_bytes": raw * info.source_dtype.itemsize}
+            out[name] = dict(hit)
         return out
 
     def staging_bytes(self) -> dict[str, dict[int, int]]:
