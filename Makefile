@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 CORE   := $(VENV)/.installed-core
 TEST   := $(VENV)/.installed-test
 
-.PHONY: demo test bench bench-scale bench-cost bench-vllm bench-soak bench-faults bench-checksum bench-fp8 rl-demo rl-demo-async rl-chaos rl-chaos-async example-vllm bench-deepspeed bench-trl clean
+.PHONY: demo test bench bench-scale bench-cost bench-vllm bench-soak bench-faults bench-checksum bench-fp8 bench-pipelined rl-demo rl-demo-async rl-chaos rl-chaos-async example-vllm bench-deepspeed bench-trl clean
 
 $(CORE): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -47,6 +47,10 @@ bench-checksum: $(CORE)
 # BF16 -> BF16 vs BF16 -> block FP8 refits of the demo model: wire bytes, time, quantize cost
 bench-fp8: $(CORE)
 	$(PY) benchmarks/bench_fp8.py
+
+# hierarchical refit, pipelined vs sequential phases (pretend NVLink domains over gloo), same bytes verified
+bench-pipelined: $(CORE)
+	$(PY) benchmarks/bench_pipelined.py
 
 # randomized faults (kill, stall, raise, corrupt) in refits over real processes, blocking, staged receives and
 # trainers stepping with a refit in flight: hangs, corruptions, torn models, destinations kept serving their version
