@@ -20,9 +20,12 @@ NVLink latency), and the host term only for topologies whose ranks share CPU cor
 ``overlap=False`` models the sequential order instead: ``t[j] = launch + latency +
 max(pack[j] + wire[j] + unpack[j], host[j])``.
 
-**Phases** run one after another, as the executor runs them; ``pipeline=True`` models a
-pipelined executor instead: round j of phase p starts when round j of phase p-1 and round
-j-1 of phase p are both done (``F[p,j] = max(F[p-1,j], F[p,j-1]) + t[p,j]``).
+**Phases** run one after another, as the executor runs them. A pipelined hierarchical plan
+(:meth:`~reshard.planning.hierarchy.HierarchicalPlan.pipelined`) reaches this model as one phase per
+step, every phase of the step in the same rounds (:func:`reshard.modeling.pipeline.pipelined_traffic`),
+which is what the executor runs. ``pipeline=True`` is an idealized wavefront instead, which no
+executor runs: round j of phase p starts when round j of phase p-1 and round j-1 of phase p are
+both done (``F[p,j] = max(F[p-1,j], F[p,j-1]) + t[p,j]``).
 
 >>> from reshard.modeling.topology import Placement, Topology
 >>> from reshard.modeling.traffic import traffic_from_pairs
