@@ -13,10 +13,6 @@ paths and the executors, bit for bit against a reference quantizer applied to th
 
 from __future__ import annotations
 
-import multiprocessing
-import os
-import traceback
-
 import numpy as np
 import pytest
 import torch
@@ -521,119 +517,62 @@ def test_fp8_refit_over_gloo():
 def check_vllm(family: str, tp: int) -> list[str]:
     """Build vLLM's block-FP8 model (``quantization_config`` fp8, ``weight_block_size`` [128, 128]) on every
     simulated TP rank, load an FP8 checkpoint made by ``quantize_blocks`` with vLLM's own ``load_weights``
-    and compare every parameter (names, shapes, dtypes, bytes) with what an FSDP BF16 -> FP8 refit writes
-    into ``precision_layout(vllm_layout(...))``. Runs in the loader test's worker style (separate process).
+    and compare every parameter with what an FSDP BF16 -> FP8 refit writes into
+    ``precision_layout(vllm_layout(...))`` (:func:`vllm_helpers.check_quantized_loads`).
 
     vLLM 0.32's CPU build cannot build these models on a CPU without AMX: ``Fp8LinearMethod.create_weights``
     registers ``weight`` and ``weight_scale_inv`` and then fails choosing a matmul kernel
     ("CPUFp8BlockScaledMMKernel requires AMX tile support"). Where that happens we record it and
     replace only that kernel choice (``init_fp8_linear_kernel``), after the parameters and their weight
-    loaders exist: the layouts are still checked against vLLM's own parameters and loaders. vLLM's
-    attention KV-cache scales (``attn.k_scale``, ...) are not weights of the checkpoint: left out."""
-    import test_vllm_loaders as L
-    L._init_worker()
-    import json
-    import tempfile
-
+    loaders exist: the layouts are still checked against vLLM's own parameters and loaders."""
     import vllm.model_executor.layers.quantization.fp8 as vfp8
-    from vllm.config import LoadConfig, ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
-    from vllm.model_executor.model_loader.utils import get_model_architecture
-    from vllm.utils.torch_utils import set_default_torch_dtype
+    from vllm_helpers import check_quantized_loads
 
-    from reshard.frameworks.vllm import vllm_layout
-    from reshard.models import model_specs
     from tiny_archs import tiny
 
     kw = dict(hidden=256, heads=4, kv_heads=2, head_dim=128, intermediate=512, dtype=BF16)
     if family == "qwen3_moe":
         kw.update(moe_intermediate=256, experts=4)
     a = tiny(family, **kw)
-    cfg = L.hf_config(L.Case(a, tp))
-    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-                                  "weight_block_size": [128, 128],
-                                  "ignored_layers": [f"model.layers.{i}.mlp.gate" for i in range(a.layers)]}
-    report = []
-    with tempfile.TemporaryDirectory() as d:
-        with open(os.path.join(d, "config.json"), "w") as f:
-            json.dump(cfg, f)
-        mc = ModelConfig(model=d, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=128)
-        vc = VllmConfig(model_config=mc, parallel_config=ParallelConfig(tensor_parallel_size=tp),
-                        load_config=LoadConfig(load_format="dummy"))
-    model_cls, _ = get_model_architecture(mc)
+    config = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128],
+              "ignored_layers": [f"model.layers.{i}.mlp.gate" for i in range(a.layers)]}
 
-    specs = model_specs(a)
-    g = torch.Generator().manual_seed(3)
-    full = {s.name: torch.randn(s.shape, generator=g).to(s.dtype) for s in specs}
-    ranks = list(range(3, 3 + tp))
-    dst = vllm_layout(a, ranks, tp)
-    src = rs.Layout.merge(rs.Layout.from_placements(s, [0, 1, 2], (3,), [rs.Shard(0)]) for s in dst.tensors)
-    plan = PrecisionPlan(src, dst, DtypePolicy.fp8())
-    out = {r: plan.destination.empty_buffers(r) for r in ranks}
-    run_local_precision(plan, {r: src.materialize(r, full) for r in src.ranks}, out)
-    checkpoint = dict(full)
-    for name, info in plan.fp8.items():
-        checkpoint[name], checkpoint[scale_name(name)] = quantize_blocks(full[name], info.block)
-    paths = plan.tensor_paths()
-    report.append(f"{family} tp{tp}: {len(plan.fp8)} FP8 tensors, blocks quantized at source "
-                  f"{sum(p['source'] for p in paths.values())}, at destination "
-                  f"{sum(p['destination'] for p in paths.values())}")
-    original = vfp8.init_fp8_linear_kernel
-    for t, r in enumerate(ranks):
-        L._simulate_rank(tp, t, 1, 0)
-        vc.compilation_config.static_forward_context.clear()
-        with set_current_vllm_config(vc), set_default_torch_dtype(mc.dtype):
-            try:
-                model = model_cls(vllm_config=vc)
-            except ValueError as e:
-                if "AMX" not in str(e):
-                    raise
-                if vfp8.init_fp8_linear_kernel is original:
-                    report.append(f"vLLM cannot build block-FP8 linear layers on this CPU: {str(e).splitlines()[-1]} "
-                                  f"-- checking its parameters with the kernel choice stubbed out")
-                vfp8.init_fp8_linear_kernel = lambda **_: None
-                vc.compilation_config.static_forward_context.clear()
-                model = model_cls(vllm_config=vc)
-            model.load_weights((n, w.clone()) for n, w in checkpoint.items())
-        params = {n: p for n, p in model.named_parameters() if not n.endswith(("attn.q_scale", "attn.k_scale",
-                                                                            "attn.v_scale", "attn.prob_scale"))}
-        ours = out[r]
-        assert set(params) == set(ours), (sorted(set(params) ^ set(ours)))
-        n_fp8 = 0
-        for name, p in params.items():
-            got = ours[name]
-            assert (tuple(got.shape), got.dtype) == (tuple(p.shape), p.dtype), (t, name, got.shape, got.dtype,
-                                                                                 p.shape, p.dtype)
-            assert same_bits(got, p.data), f"tp rank {t} {name}: bytes differ from vLLM's loader"
-            n_fp8 += p.dtype == FP8_DTYPE
-        report.append(f"  tp rank {t}: {len(params)} parameters equal ({n_fp8} float8_e4m3fn)")
-        del model
-    vfp8.init_fp8_linear_kernel = original
-    return report
+    def quantize(plan, full):
+        out = {}
+        for name, info in plan.fp8.items():
+            out[name], out[scale_name(name)] = quantize_blocks(full[name], info.block)
+        return out
 
+    def headline(plan):
+        paths = plan.tensor_paths()
+        return (f"{family} tp{tp}: {len(plan.fp8)} FP8 tensors, blocks quantized at source "
+                f"{sum(p['source'] for p in paths.values())}, at destination "
+                f"{sum(p['destination'] for p in paths.values())}")
 
-def _vllm_run(family, tp):
-    try:
-        return True, check_vllm(family, tp)
-    except BaseException:
-        return False, traceback.format_exc()
+    def stub_kernel(error):
+        if "AMX" not in str(error):
+            return None
+        original = vfp8.init_fp8_linear_kernel
+        vfp8.init_fp8_linear_kernel = lambda **_: None
+        return (f"vLLM cannot build block-FP8 linear layers on this CPU: {str(error).splitlines()[-1]} "
+                f"-- checking its parameters with the kernel choice stubbed out",
+                lambda: setattr(vfp8, "init_fp8_linear_kernel", original))
+
+    return check_quantized_loads(a, tp, config, DtypePolicy.fp8(), quantize, seed=3, stub_kernel=stub_kernel,
+                                 headline=headline)
 
 
 @pytest.fixture(scope="module")
 def vllm_worker():
-    import test_vllm_loaders as L
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(1) as pool:
-        why = pool.apply(L._probe)
-        if why is not None:
-            pytest.skip(why)
-        yield pool
+    from vllm_helpers import loader_worker
+
+    yield from loader_worker()
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("family,tp", [("qwen3", 2), ("qwen3_moe", 2)])
 def test_fp8_layouts_match_vllm_block_fp8_loaders(vllm_worker, family, tp):
-    ok, out = vllm_worker.apply(_vllm_run, (family, tp))
-    if not ok:
-        pytest.fail(out, pytrace=False)
-    print("\n".join(out))
+    from vllm_helpers import run_in_worker
+
+    run_in_worker(vllm_worker, check_vllm, family, tp)

@@ -313,110 +313,53 @@ def check_vllm_mxfp8(family: str, tp: int) -> list[str]:
     ModelOpt MXFP8 checkpoint: ``ModelOptMxFp8Config``) on every simulated TP rank, load an MXFP8
     checkpoint made by the spec reference (``<name>.weight`` e4m3, ``<name>.weight_scale`` uint8 E8M0)
     with vLLM's own ``load_weights``, and compare every parameter (names, shapes, dtypes, bytes) with
-    what an FSDP BF16 -> MXFP8 refit writes into ``precision_layout(vllm_layout(...), "mxfp8")``."""
-    import test_vllm_loaders as L
-    L._init_worker()
-    import os
-    import tempfile
+    what an FSDP BF16 -> MXFP8 refit writes into ``precision_layout(vllm_layout(...), "mxfp8")``
+    (:func:`vllm_helpers.check_quantized_loads`)."""
     from types import SimpleNamespace
 
-    from vllm.config import LoadConfig, ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.quantization import modelopt
-    from vllm.model_executor.model_loader.utils import get_model_architecture
-    from vllm.utils.torch_utils import set_default_torch_dtype
+    from vllm_helpers import check_quantized_loads
 
-    from reshard.frameworks.vllm import vllm_layout
-    from reshard.models import model_specs
     from tiny_archs import tiny
 
     kw = dict(hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512, dtype=BF16)
     if family == "qwen3_moe":
         kw.update(moe_intermediate=128, experts=4)
     a = tiny(family, **kw)
-    cfg = L.hf_config(L.Case(a, tp))
-    cfg["quantization_config"] = {"quant_method": "mxfp8", "kv_cache_quant_algo": None,
-                                  "ignored_layers": ([f"model.layers.{i}.mlp.gate" for i in range(a.layers)]
-                                                     if family == "qwen3_moe" else [])
-                                  + ["lm_head"]}
-    with tempfile.TemporaryDirectory() as d:
-        with open(os.path.join(d, "config.json"), "w") as f:
-            json.dump(cfg, f)
-        mc = ModelConfig(model=d, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=128)
-        vc = VllmConfig(model_config=mc, parallel_config=ParallelConfig(tensor_parallel_size=tp),
-                        load_config=LoadConfig(load_format="dummy"))
-    model_cls, _ = get_model_architecture(mc)
-    specs = model_specs(a)
-    g = torch.Generator().manual_seed(5)
-    full = {s.name: torch.randn(s.shape, generator=g).to(s.dtype) for s in specs}
-    ranks = list(range(3, 3 + tp))
-    dst = vllm_layout(a, ranks, tp)
-    src = rs.Layout.merge(rs.Layout.from_placements(s, [0, 1, 2], (3,), [rs.Shard(0)]) for s in dst.tensors)
-    plan = PrecisionPlan(src, dst, "mxfp8")
-    out = {r: plan.destination.empty_buffers(r) for r in ranks}
-    run_local_precision(plan, {r: src.materialize(r, full) for r in src.ranks}, out)
-    checkpoint = dict(full)
-    for name in plan.fp8:
-        checkpoint[name], checkpoint[name + "_scale"] = spec_mx(full[name])
-    report = [f"{family} tp{tp}: {len(plan.fp8)} MXFP8 tensors"]
-    original = modelopt.select_linear_kernel
-    for t, r in enumerate(ranks):
-        L._simulate_rank(tp, t, 1, 0)
-        vc.compilation_config.static_forward_context.clear()
-        with set_current_vllm_config(vc), set_default_torch_dtype(mc.dtype):
-            try:
-                model = model_cls(vllm_config=vc)
-            except ValueError as e:
-                if "MXFP8 linear" not in str(e):
-                    raise
-                if modelopt.select_linear_kernel is original:
-                    report.append(f"vLLM finds no MXFP8 matmul kernel on this CPU ({str(e).splitlines()[0]}) -- "
-                                  f"checking its parameters with the kernel choice stubbed out")
-                modelopt.select_linear_kernel = lambda *a, **k: SimpleNamespace(input_quant_key=lambda: None)
-                vc.compilation_config.static_forward_context.clear()
-                model = model_cls(vllm_config=vc)
-            report.append(f"  {type(vc.quant_config).__name__}: linear {type(model.model.layers[0].self_attn.qkv_proj.quant_method).__name__}")
-            model.load_weights((n, w.clone()) for n, w in checkpoint.items())
-        params = {n: p for n, p in model.named_parameters() if not n.endswith(("attn.q_scale", "attn.k_scale",
-                                                                            "attn.v_scale", "attn.prob_scale"))}
-        ours = out[r]
-        assert set(params) == set(ours), sorted(set(params) ^ set(ours))
-        for name, p in params.items():
-            got = ours[name]
-            assert (tuple(got.shape), got.dtype) == (tuple(p.shape), p.dtype), (t, name, got.shape, got.dtype,
-                                                                                 p.shape, p.dtype)
-            assert same_bits(got, p.data), f"tp rank {t} {name}: bytes differ from vLLM's loader"
-        report.append(f"  tp rank {t}: {len(params)} parameters equal "
-                      f"({sum(p.dtype == FP8_DTYPE for p in params.values())} float8_e4m3fn)")
-        del model
-    modelopt.select_linear_kernel = original
-    return report
+    config = {"quant_method": "mxfp8", "kv_cache_quant_algo": None,
+              "ignored_layers": ([f"model.layers.{i}.mlp.gate" for i in range(a.layers)] if family == "qwen3_moe"
+                                 else []) + ["lm_head"]}
 
+    def quantize(plan, full):
+        out = {}
+        for name in plan.fp8:
+            out[name], out[name + "_scale"] = spec_mx(full[name])
+        return out
 
-def _vllm_run(family, tp):
-    import traceback
-    try:
-        return True, check_vllm_mxfp8(family, tp)
-    except BaseException:
-        return False, traceback.format_exc()
+    def stub_kernel(error):
+        if "MXFP8 linear" not in str(error):
+            return None
+        original = modelopt.select_linear_kernel
+        modelopt.select_linear_kernel = lambda *a, **k: SimpleNamespace(input_quant_key=lambda: None)
+        return (f"vLLM finds no MXFP8 matmul kernel on this CPU ({str(error).splitlines()[0]}) -- "
+                f"checking its parameters with the kernel choice stubbed out",
+                lambda: setattr(modelopt, "select_linear_kernel", original))
+
+    return check_quantized_loads(a, tp, config, "mxfp8", quantize, seed=5, stub_kernel=stub_kernel,
+                                 headline=lambda plan: f"{family} tp{tp}: {len(plan.fp8)} MXFP8 tensors")
 
 
 @pytest.fixture(scope="module")
 def vllm_worker():
-    import multiprocessing
+    from vllm_helpers import loader_worker
 
-    import test_vllm_loaders as L
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        why = pool.apply(L._probe)
-        if why is not None:
-            pytest.skip(why)
-        yield pool
+    yield from loader_worker()
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("family,tp", [("qwen3", 2), ("qwen3_moe", 2)])
 def test_mxfp8_layouts_match_vllm_mxfp8_loaders(vllm_worker, family, tp):
-    ok, out = vllm_worker.apply(_vllm_run, (family, tp))
-    if not ok:
-        pytest.fail(out, pytrace=False)
-    print("\n".join(out))
+    from vllm_helpers import run_in_worker
+
+    run_in_worker(vllm_worker, check_vllm_mxfp8, family, tp)

@@ -238,3 +238,119 @@ def fp8_probes(worker) -> dict[str, torch.Tensor]:
 def fp8_engine_tensors(worker) -> dict[str, torch.Tensor]:
     """:func:`engine_tensors` (parameters: the FP8 weights and scales, buffers) and :func:`fp8_probes`."""
     return {**engine_tensors(worker), **fp8_probes(worker)}
+
+
+# ---------------------------------------------------------------------- vLLM's quantized loaders (test_fp8, test_mxfp8)
+def check_quantized_loads(arch, tp: int, quantization_config: dict, policy, quantize, *, seed: int,
+                          stub_kernel, headline) -> list[str]:
+    """Build vLLM's quantized ``arch`` model (``quantization_config``) on every simulated TP rank, load the
+    checkpoint ``quantize(plan, full)`` makes with vLLM's own ``load_weights``, and compare every parameter
+    (names, shapes, dtypes, bytes) with what an FSDP BF16 refit under ``policy`` writes into
+    ``precision_layout(vllm_layout(...))``. ``stub_kernel(error)``: where vLLM finds no kernel on this CPU
+    (a ValueError), a note and an undo after replacing only that kernel choice, else None (the error
+    stands); ``headline(plan)``: the report's first line. vLLM's attention KV-cache scales are left out.
+    Runs in the loader test's worker style (separate process)."""
+    import json
+    import tempfile
+
+    import test_vllm_loaders as L
+    L._init_worker()
+    from vllm.config import LoadConfig, ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import get_model_architecture
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    import reshard as rs
+    from reshard.execution.precision import run_local_precision
+    from reshard.frameworks.vllm import vllm_layout
+    from reshard.models import model_specs
+    from reshard.planning.precision import PrecisionPlan
+    from reshard.quant import FP8_DTYPE
+
+    cfg = L.hf_config(L.Case(arch, tp))
+    cfg["quantization_config"] = quantization_config
+    with tempfile.TemporaryDirectory() as d:
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump(cfg, f)
+        mc = ModelConfig(model=d, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=128)
+        vc = VllmConfig(model_config=mc, parallel_config=ParallelConfig(tensor_parallel_size=tp),
+                        load_config=LoadConfig(load_format="dummy"))
+    model_cls, _ = get_model_architecture(mc)
+    g = torch.Generator().manual_seed(seed)
+    full = {s.name: torch.randn(s.shape, generator=g).to(s.dtype) for s in model_specs(arch)}
+    ranks = list(range(3, 3 + tp))
+    dst = vllm_layout(arch, ranks, tp)
+    src = rs.Layout.merge(rs.Layout.from_placements(s, [0, 1, 2], (3,), [rs.Shard(0)]) for s in dst.tensors)
+    plan = PrecisionPlan(src, dst, policy)
+    out = {r: plan.destination.empty_buffers(r) for r in ranks}
+    run_local_precision(plan, {r: src.materialize(r, full) for r in src.ranks}, out)
+    checkpoint = {**full, **quantize(plan, full)}
+    report, undo = [headline(plan)], None
+    try:
+        for t, r in enumerate(ranks):
+            L._simulate_rank(tp, t, 1, 0)
+            vc.compilation_config.static_forward_context.clear()
+            with set_current_vllm_config(vc), set_default_torch_dtype(mc.dtype):
+                try:
+                    model = model_cls(vllm_config=vc)
+                except ValueError as e:
+                    if undo is not None or (stubbed := stub_kernel(e)) is None:
+                        raise
+                    note, undo = stubbed
+                    report.append(note)
+                    vc.compilation_config.static_forward_context.clear()
+                    model = model_cls(vllm_config=vc)
+                report.append(f"  {type(vc.quant_config).__name__}: linear "
+                              f"{type(model.model.layers[0].self_attn.qkv_proj.quant_method).__name__}")
+                model.load_weights((n, w.clone()) for n, w in checkpoint.items())
+            params = {n: p for n, p in model.named_parameters()
+                      if not n.endswith(("attn.q_scale", "attn.k_scale", "attn.v_scale", "attn.prob_scale"))}
+            ours = out[r]
+            assert set(params) == set(ours), sorted(set(params) ^ set(ours))
+            for name, p in params.items():
+                got = ours[name]
+                assert (tuple(got.shape), got.dtype) == (tuple(p.shape), p.dtype), (t, name, got.shape, got.dtype,
+                                                                                     p.shape, p.dtype)
+                assert differences({name: got}, {name: p.data}) == [], \
+                    f"tp rank {t} {name}: bytes differ from vLLM's loader"
+            report.append(f"  tp rank {t}: {len(params)} parameters equal "
+                          f"({sum(p.dtype == FP8_DTYPE for p in params.values())} float8_e4m3fn)")
+            del model
+    finally:
+        if undo is not None:
+            undo()
+    return report
+
+
+def caught(fn, *args):
+    """``(True, fn(*args))``, or ``(False, the traceback)``: for a pool worker, whose errors should read whole."""
+    import traceback
+
+    try:
+        return True, fn(*args)
+    except BaseException:
+        return False, traceback.format_exc()
+
+
+def loader_worker():
+    """One spawned worker process for vLLM loader checks (a module fixture's body); skips where vLLM
+    cannot run here (``test_vllm_loaders._probe``)."""
+    import multiprocessing
+
+    import pytest
+    import test_vllm_loaders as L
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        why = pool.apply(L._probe)
+        if why is not None:
+            pytest.skip(why)
+        yield pool
+
+
+def run_in_worker(pool, fn, *args) -> None:
+    """Run ``fn(*args)`` (a report: lines) in ``pool``'s worker; fail with its traceback, else print the report."""
+    import pytest
+
+    ok, out = pool.apply(caught, (fn, *args))
+    if not ok:
+        pytest.fail(out, pytrace=False)
+    print("\n".join(out))
