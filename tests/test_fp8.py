@@ -26,6 +26,8 @@ from reshard.planning.precision import (DESTINATION, SOURCE, Cast, DtypePolicy, 
                                         precision_layout)
 from reshard.quant import FP8_DTYPE, FP8_MAX, quantize_blocks, scale_name
 
+from vllm_helpers import run_in_worker, vllm_worker  # noqa: F401  (vllm_worker: a fixture)
+
 BF16, F32 = torch.bfloat16, torch.float32
 PROPS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -562,17 +564,8 @@ def check_vllm(family: str, tp: int) -> list[str]:
                                  headline=headline)
 
 
-@pytest.fixture(scope="module")
-def vllm_worker():
-    from vllm_helpers import loader_worker
-
-    yield from loader_worker()
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("family,tp", [("qwen3", 2), ("qwen3_moe", 2)])
 def test_fp8_layouts_match_vllm_block_fp8_loaders(vllm_worker, family, tp):
-    from vllm_helpers import run_in_worker
-
     run_in_worker(vllm_worker, check_vllm, family, tp)

@@ -22,6 +22,8 @@ from reshard.planning.precision import (DESTINATION, SOURCE, DtypePolicy, Keep, 
                                         PrecisionPlan, precision_layout)
 from reshard.quant import FP8_DTYPE, dequantize_mx, e8m0_to_float, quantize_mx
 
+from vllm_helpers import run_in_worker, vllm_worker  # noqa: F401  (vllm_worker: a fixture)
+
 BF16, F32, U8 = torch.bfloat16, torch.float32, torch.uint8
 PROPS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 MX = MXFP8Block()
@@ -349,17 +351,8 @@ def check_vllm_mxfp8(family: str, tp: int) -> list[str]:
                                  headline=lambda plan: f"{family} tp{tp}: {len(plan.fp8)} MXFP8 tensors")
 
 
-@pytest.fixture(scope="module")
-def vllm_worker():
-    from vllm_helpers import loader_worker
-
-    yield from loader_worker()
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("family,tp", [("qwen3", 2), ("qwen3_moe", 2)])
 def test_mxfp8_layouts_match_vllm_mxfp8_loaders(vllm_worker, family, tp):
-    from vllm_helpers import run_in_worker
-
     run_in_worker(vllm_worker, check_vllm_mxfp8, family, tp)

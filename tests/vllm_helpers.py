@@ -7,6 +7,7 @@ import signal
 import uuid
 from contextlib import contextmanager
 
+import pytest
 import torch
 
 from reshard.apps.toy_models import save_checkpoint  # noqa: F401  (re-exported for the tests)
@@ -331,12 +332,12 @@ def caught(fn, *args):
         return False, traceback.format_exc()
 
 
-def loader_worker():
-    """One spawned worker process for vLLM loader checks (a module fixture's body); skips where vLLM
-    cannot run here (``test_vllm_loaders._probe``)."""
+@pytest.fixture(scope="module")
+def vllm_worker():
+    """One spawned worker process for vLLM loader checks (a module fixture: import it into the test
+    module); skips where vLLM cannot run here (``test_vllm_loaders._probe``)."""
     import multiprocessing
 
-    import pytest
     import test_vllm_loaders as L
 
     with multiprocessing.get_context("spawn").Pool(1) as pool:
@@ -348,8 +349,6 @@ def loader_worker():
 
 def run_in_worker(pool, fn, *args) -> None:
     """Run ``fn(*args)`` (a report: lines) in ``pool``'s worker; fail with its traceback, else print the report."""
-    import pytest
-
     ok, out = pool.apply(caught, (fn, *args))
     if not ok:
         pytest.fail(out, pytrace=False)
