@@ -91,20 +91,29 @@ def test_both_ends_agree_and_a_sub_round_stays_within_the_cap(pc):
                 assert staged <= round_cap(h.max_bucket_bytes) + 2 * ALIGN * streams, (r, s, j, staged)
 
 
+def _placement(h, domains, topo):
+    """One rank per GPU, each pretend domain on its own node of 8 GPUs; None where a domain has more
+    than 8 ranks."""
+    ranks = _ranks(h)
+    if max(sum(1 for r in ranks if domains[r] == d) for d in set(domains.values())) > 8:
+        return None
+    gpu = {}
+    for d in sorted(set(domains.values())):
+        for i, r in enumerate(sorted(r for r in ranks if domains[r] == d)):
+            gpu[r] = 8 * d + i
+    return Placement(topo, np.array([gpu.get(r, 0) for r in range(max(ranks) + 1)]), tuple(h.source.ranks),
+                     tuple(h.destination.ranks))
+
+
 @PROPS
 @given(pipelined_cases())
 def test_the_model_counts_the_bytes_the_steps_move(pc):
     case, domains, seq, h = pc
     ranks = _ranks(h)
     topo = Topology.preset("dgx-h100")
-    if max(sum(1 for r in ranks if domains[r] == d) for d in set(domains.values())) > 8:
+    place = _placement(h, domains, topo)
+    if place is None:
         return
-    gpu = {}  # one rank per GPU; each pretend domain on its own node of 8 GPUs
-    for d in sorted(set(domains.values())):
-        for i, r in enumerate(sorted(r for r in ranks if domains[r] == d)):
-            gpu[r] = 8 * d + i
-    place = Placement(topo, np.array([gpu.get(r, 0) for r in range(max(ranks) + 1)]), tuple(h.source.ranks),
-                      tuple(h.destination.ranks))
     tr = pipelined_traffic(h, place, topo)
     sent = {r: 0 for r in ranks}
     for r in ranks:
@@ -144,16 +153,10 @@ def test_pipelined_models_faster_where_the_forward_is_not_free():
 @given(pipelined_cases())
 def test_the_chosen_order_never_models_slower_than_sequential(pc):
     case, domains, seq, h = pc
-    ranks = _ranks(h)
     topo = Topology.preset("dgx-h100")
-    if max(sum(1 for r in ranks if domains[r] == d) for d in set(domains.values())) > 8:
+    place = _placement(h, domains, topo)
+    if place is None:
         return
-    gpu = {}
-    for d in sorted(set(domains.values())):
-        for i, r in enumerate(sorted(r for r in ranks if domains[r] == d)):
-            gpu[r] = 8 * d + i
-    place = Placement(topo, np.array([gpu.get(r, 0) for r in range(max(ranks) + 1)]), tuple(h.source.ranks),
-                      tuple(h.destination.ranks))
     m = RefitModel(case.source, case.destination, topo, place, rs.plan(case.source, case.destination), seq)
     best = m.fastest_order()
     assert m.estimate(best)[1].seconds <= m.estimate(seq)[1].seconds
