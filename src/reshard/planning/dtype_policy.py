@@ -68,17 +68,9 @@ class FP8Block:
     def __str__(self) -> str:
         return f"fp8:{self.block[0]}x{self.block[1]}" + (":ue8m0" if self.ue8m0 else "")
 
-    #: whether the scales are MX E8M0 codes (:class:`MXFP8Block`) rather than float32 multipliers
-    mx = False
-
-    @property
-    def scale_dtype(self) -> torch.dtype:
-        """The dtype of the block scales: float32 (``<name>_scale_inv``)."""
-        return SCALE_DTYPE
-
-    @property
-    def scale_suffix(self) -> str:
-        return SCALE_SUFFIX
+    #: whether the scales are MX E8M0 codes (:class:`MXFP8Block`) rather than float32 multipliers; the
+    #: scales' dtype and the suffix of their name (float32, ``<name>_scale_inv``): class constants, no fields
+    mx, scale_dtype, scale_suffix = False, SCALE_DTYPE, SCALE_SUFFIX
 
     def scale_name(self, name: str) -> str:
         """The name of tensor (or buffer) ``name``'s scales: ``<name>_scale_inv`` (``<name>_scale`` for MXFP8)."""
@@ -98,7 +90,7 @@ class MXFP8Block(FP8Block):
     """
 
     block: tuple[int, int] = MX_BLOCK
-    mx = True
+    mx, scale_dtype, scale_suffix = True, MX_SCALE_DTYPE, MX_SCALE_SUFFIX
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -108,14 +100,6 @@ class MXFP8Block(FP8Block):
 
     def __str__(self) -> str:
         return "mxfp8:1x32"
-
-    @property
-    def scale_dtype(self) -> torch.dtype:
-        return MX_SCALE_DTYPE
-
-    @property
-    def scale_suffix(self) -> str:
-        return MX_SCALE_SUFFIX
 
 
 Precision = Union[Keep, Cast, FP8Block]
@@ -197,13 +181,17 @@ class DtypePolicy:
         return self.default
 
     @classmethod
+    def _linear_weights(cls, precision: Precision, keep: Iterable[str]) -> "DtypePolicy":
+        """``precision`` for :data:`FP8_PATTERNS`, the rest kept; ``keep`` (a pattern or several) first."""
+        if isinstance(keep, str):
+            keep = [keep]
+        return cls(tuple((pattern, KEEP) for pattern in keep) + tuple((pattern, precision) for pattern in FP8_PATTERNS))
+
+    @classmethod
     def fp8(cls, block=DEFAULT_BLOCK, ue8m0: bool = False, keep: Iterable[str] = ()) -> "DtypePolicy":
         """FP8 for the linear weights (:data:`FP8_PATTERNS`), the rest kept; names matching ``keep``
         (regular expressions) are kept too."""
-        if isinstance(keep, str):
-            keep = [keep]
-        fp8 = FP8Block(block, ue8m0)
-        return cls(tuple((pattern, KEEP) for pattern in keep) + tuple((pattern, fp8) for pattern in FP8_PATTERNS))
+        return cls._linear_weights(FP8Block(block, ue8m0), keep)
 
     @classmethod
     def mxfp8(cls, keep: Iterable[str] = ()) -> "DtypePolicy":
@@ -213,10 +201,7 @@ class DtypePolicy:
         >>> str(DtypePolicy.mxfp8()(TensorSpec("model.layers.0.mlp.down_proj.weight", (64, 64), torch.bfloat16)))
         'mxfp8:1x32'
         """
-        if isinstance(keep, str):
-            keep = [keep]
-        mx = MXFP8Block()
-        return cls(tuple((pattern, KEEP) for pattern in keep) + tuple((pattern, mx) for pattern in FP8_PATTERNS))
+        return cls._linear_weights(MXFP8Block(), keep)
 
     @classmethod
     def named(cls, precision: str) -> "DtypePolicy":
