@@ -26,14 +26,12 @@ import statistics
 import sys
 import time
 
-import torch
-import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
 import reshard as rs
 from reshard import verify
-from reshard.apps.bench_support import print_header, spawn_for_json
+from reshard.apps.bench_support import print_header, print_table, spawn_for_json, timed_runs
 from reshard.frameworks.parallel import InferParallel, TrainParallel, model_layouts
 from reshard.models import DEMO_MODEL, get_arch
 
@@ -64,29 +62,11 @@ def _worker(rank: int, world: int, path: str, item: str, layers: int, buckets: l
             cap = b // 2 if v.endswith("B/2") else b
             plan = rs.plan(lay.source, lay.destination, max_bucket_bytes=cap)
             runs[(b, v)] = rs.ReshardExecutor(plan, overlap=v.startswith("overlap"))
-    times: dict = {k: [] for k in runs}
-    stats: dict = {}
-    keys = list(runs)
-    for i in range(repeat):
-        for k in keys[i % len(keys):] + keys[: i % len(keys)]:  # rotate the order each repeat
-            for t in dst.values():
-                t.zero_()
-            dist.barrier()
-            t0 = time.perf_counter()
-            st = runs[k].run(src, dst)
-            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-            bad = verify.check_destination(lay.destination, rank, dst) if rank in lay.destination_ranks else []
-            if bad:
-                raise AssertionError(f"rank {rank}, {k}: {bad[:3]}")
-            peak = torch.tensor([st.peak_staging_bytes, st.rounds], dtype=torch.int64)
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-            times[k].append(float(dt))
-            stats[k] = [int(x) for x in peak]
+    res = timed_runs(runs, lay, rank, src, dst, repeat)
     if rank == 0:
         with open(path, "w") as f:
             json.dump({"model_bytes": sum(s.nbytes for s in lay.specs), "world": world,
-                       "runs": [[b, v, times[(b, v)], *stats[(b, v)]] for b, v in keys]}, f)
+                       "runs": [[b, v, *res[(b, v)]] for b, v in runs]}, f)
 
 
 def run_config(item: str, args, buckets: list[int]) -> dict:
@@ -119,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             res = run_config(item, args, buckets)
         console.print(f"  {item}: {res['world']} processes, {res['model_bytes'] / 1e9:.2f} GB model, "
                       f"done in {time.perf_counter() - t0:.0f} s (verified)")
-        by = {(b, v): (ts, peak, rounds) for b, v, ts, peak, rounds in res["runs"]}
+        by = {(b, v): (ts, peak, rounds) for b, v, ts, peak, rounds, _sent in res["runs"]}
         for b in buckets:
             med = {v: statistics.median(by[(b, v)][0]) for v in VARIANTS}
             best = {v: min(by[(b, v)][0]) for v in VARIANTS}
@@ -128,11 +108,8 @@ def main(argv: list[str] | None = None) -> int:
                       s[VARIANTS[0]], s[VARIANTS[1]], f"{med[VARIANTS[0]] / med[VARIANTS[1]]:.2f}x",
                       s[VARIANTS[2]], f"{med[VARIANTS[0]] / med[VARIANTS[2]]:.2f}x",
                       " / ".join(f"{by[(b, v)][1] / MiB:.2f}" for v in VARIANTS) + " MiB")
-    t.caption = ("s: slowest rank's wall time of one run; seq / ovl > 1: overlap faster; staging: "
-                 "RunStats.peak_staging_bytes, largest rank (overlap B/2 has the sequential run's memory)")
-    t.caption_justify = "left"
-    console.print(t)
-    console.print(f"total {time.perf_counter() - start:.0f} s")
+    print_table(console, t, "s: slowest rank's wall time of one run; seq / ovl > 1: overlap faster; staging: "
+                "RunStats.peak_staging_bytes, largest rank (overlap B/2 has the sequential run's memory)", start)
     return 0
 
 

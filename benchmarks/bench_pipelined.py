@@ -29,14 +29,12 @@ import statistics
 import sys
 import time
 
-import torch
-import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
 import reshard as rs
 from reshard import verify
-from reshard.apps.bench_support import print_header, spawn_for_json
+from reshard.apps.bench_support import print_header, print_table, spawn_for_json, timed_runs
 from reshard.frameworks.parallel import InferParallel, TrainParallel, model_layouts
 from reshard.models import DEMO_MODEL, get_arch
 from reshard.planning.hierarchy import hierarchical_plan
@@ -60,32 +58,11 @@ def _worker(rank: int, world: int, path: str, layers: int, buckets: list[int], c
         runs[(b, "sequential")] = rs.ReshardExecutor(h)
         for c in chunks:
             runs[(b, f"pipelined {c}")] = rs.ReshardExecutor(h.pipelined(c))
-    times: dict = {k: [] for k in runs}
-    stats: dict = {}
-    keys = list(runs)
-    for i in range(repeat):
-        for k in keys[i % len(keys):] + keys[: i % len(keys)]:  # rotate the order each repeat
-            for t in dst.values():
-                t.zero_()
-            dist.barrier()
-            t0 = time.perf_counter()
-            st = runs[k].run(src, dst)
-            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-            bad = verify.check_destination(lay.destination, rank, dst) if rank in lay.destination_ranks else []
-            if bad:
-                raise AssertionError(f"rank {rank}, {k}: {bad[:3]}")
-            figs = torch.tensor([st.peak_staging_bytes, st.rounds, st.sent_bytes], dtype=torch.int64)
-            peak = figs[:2].clone()
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-            sent = figs[2:].clone()
-            dist.all_reduce(sent)
-            times[k].append(float(dt))
-            stats[k] = [int(x) for x in peak] + [int(sent)]
+    res = timed_runs(runs, lay, rank, src, dst, repeat)
     if rank == 0:
         with open(path, "w") as f:
             json.dump({"model_bytes": sum(s.nbytes for s in lay.specs), "world": world,
-                       "runs": [[b, v, times[(b, v)], *stats[(b, v)]] for b, v in keys]}, f)
+                       "runs": [[b, v, *res[(b, v)]] for b, v in runs]}, f)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,12 +95,9 @@ def main(argv: list[str] | None = None) -> int:
             med = statistics.median(ts)
             t.add_row(f"{b / MiB:g} MiB", v, str(rounds), f"{med:.3f} [{min(ts):.3f}]", f"{seq / med:.2f}x",
                       f"{peak / MiB:.2f}", f"{sent:,}")
-    t.caption = ("s: slowest rank's wall time of one run; seq / this > 1: pipelined faster; steps / rounds: the "
-                 "most rounds (sub-rounds) a rank runs; staging: RunStats.peak_staging_bytes, largest rank; bytes "
-                 "sent: all ranks (the same in every variant)")
-    t.caption_justify = "left"
-    console.print(t)
-    console.print(f"total {time.perf_counter() - start:.0f} s")
+    print_table(console, t, "s: slowest rank's wall time of one run; seq / this > 1: pipelined faster; steps / "
+                "rounds: the most rounds (sub-rounds) a rank runs; staging: RunStats.peak_staging_bytes, largest "
+                "rank; bytes sent: all ranks (the same in every variant)", start)
     return 0
 
 
