@@ -234,3 +234,124 @@ def _gloo_assembled(rank, world, store_addr):
 @pytest.mark.timeout(240)
 def test_assembled_fp8_refit_over_gloo():
     rs.spawn(_gloo_assembled, 6, f"127.0.0.1:{free_port()}")
+
+
+# ---------------------------------------------------------------------------- rounds under the staging cap
+def _layers(n: int, ranks, shape=(384, 256)):
+    """``n`` FSDP'd gate_proj weights (row pieces over ``ranks``) and a norm, into a TP 2 engine on ranks 4-5."""
+    ws = [rs.TensorSpec(f"model.layers.{i}.mlp.gate_proj.weight", shape, BF16) for i in range(n)]
+    norm = rs.TensorSpec("model.norm.weight", (shape[1],), BF16)
+    src = rs.Layout.merge(rs.Layout.from_placements(s, list(ranks), (len(ranks),), [rs.Shard(0)]) for s in ws + [norm])
+    dst = rs.Layout.merge([rs.Layout.from_placements(w, [4, 5], (2,), [rs.Shard(1)]) for w in ws]
+                          + [rs.Layout.from_placements(norm, [4, 5], (2,), [rs.Replicate()])])
+    g = torch.Generator().manual_seed(n)
+    full = {s.name: torch.randn(s.shape, generator=g).to(BF16) for s in ws + [norm]}
+    return src, dst, full
+
+
+@pytest.mark.parametrize("cap", [64 << 10, 256 << 10, 1 << 20, None])
+def test_assembly_rounds_keep_each_ranks_boxes_under_half_the_cap(cap):
+    """The assembly runs in rounds: every round's boxes on a rank stay under half ``max_bucket_bytes`` (a box over
+    it alone in its round), the rounds hold every box once, and the run stays bit-exact."""
+    from reshard.planning.assembly_rounds import AssemblyRounds
+
+    src, dst, full = _layers(6, range(4))
+    plan = PrecisionPlan(src, dst, max_bucket_bytes=cap, assemble={0: 0, 1: 0, 2: 1, 3: 1})
+    rounds = AssemblyRounds(plan)
+    box = 128 * 256 * 2
+    seen: dict[int, dict] = {}
+    for i in range(len(rounds)):
+        for rank, nbytes in rounds.staging_bytes(i).items():
+            assert cap is None or nbytes <= max(cap // 2, box), (i, rank, nbytes)
+            seen.setdefault(rank, {}).update(rounds.buffers(i, rank))
+    assert seen == {r: dict(named) for r, named in plan.assembly_staging.items()}
+    busiest = max(sum(int(np.prod(s)) * d.itemsize for s, d in named.values()) for named in seen.values())
+    assert len(rounds) == (1 if cap is None else -(-busiest // max(cap // 2 // box * box, box)))
+    assert sum(p.wire_bytes for p in rounds.plans) == plan.assembly_bytes
+    out = {r: plan.destination.empty_buffers(r) for r in plan.destination.ranks}
+    run_local_precision(plan, {r: src.materialize(r, full) for r in src.ranks}, out)
+    _check(plan, out, full)
+
+
+def _session_assembled(rank, world, store_addr):
+    """Ranks 0-3: FSDP over two NVLink domains (0-1, 2-3; 96 rows a rank of 384: block rows 0 and 2 lie in one
+    domain, block row 1 spans both); ranks 4-5: a TP 2 FP8 engine (domain 2). Through RefitSession: with the
+    domains in the options the blocks are assembled (in rounds under max_bucket_bytes), without them they cross
+    raw (unchanged); a fault while assembling fails the refit on every rank, and the next refit heals."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from reshard.execution import faults
+    from reshard.planning.precision import precision_layout
+    from reshard.refit import RefitError, RefitSession, Side
+
+    cap = 256 << 10
+    src, dst, full = _layers(4, range(4))
+    domains = {0: 0, 1: 0, 2: 1, 3: 1, 4: 2, 5: 2}
+    engine = precision_layout(dst, "fp8").empty_buffers(rank) if rank in dst.ranks else None
+    source = Side.from_layout(src, rank, src.materialize(rank, full)) if rank in src.ranks else None
+    destination = Side.from_layout(dst, rank, engine) if engine is not None else None
+
+    def check(plan, values):
+        if engine is not None:
+            ref = _reference(plan, values)
+            for p in plan.destination.pieces(rank):
+                got = rs.tensors.buffer_view(engine[p.buffer], p.buffer_offsets, p.sizes)
+                assert same_bits(got, ref[p.tensor][rs.tensors.box_slices(p.offsets, p.sizes)]), (rank, p)
+
+    def connect(**options):
+        where = dict(store_addr=store_addr, rank=rank, world_size=world) if options else dict(group=dist.group.WORLD)
+        return RefitSession.connect(source=source, destination=destination, timeout=timedelta(seconds=60),
+                                    precision="fp8", max_bucket_bytes=cap, **where, **options)
+
+    plain = connect()  # no domains (gloo finds none): as before, the uncovered blocks cross raw
+    assert plain.method == "reshard" and plain.plan.assembly is None
+    plain.refit(1)
+    check(plain.plan, full)
+    raw = plain.plan.wire_bytes_by_path()["raw"]
+    plain.close()
+
+    s = connect(domains=domains)  # "auto" with domains: hierarchical, and the source's domains assemble
+    assert s.method == "hierarchical" and s.plan.assembly is not None
+    paths = s.plan.tensor_paths()
+    assert {p["assembled"] for p in paths.values()} == {4} and {p["destination"] for p in paths.values()} == {2}
+    assert s.plan.wire_bytes_by_path()["raw"] == raw // 3  # block row 1 of each tensor only
+    stats = s.refit(2)
+    check(s.plan, full)
+    names = [p.name for p in stats.run.phases]
+    assert names[:2] == ["assemble blocks", "quantize at source"], names
+    ex = s.executor
+    assembly = stats.run.phases[0]
+    assert assembly.peak_staging_bytes == ex.assembly_staging_bytes() <= cap, (rank, assembly)
+    boxes = s.plan.staging_bytes()["assembly"].get(rank, 0)
+    if boxes:  # an assembler: its boxes all at once would be over half the cap; rounds keep each under it
+        assert boxes > cap // 2 and len(ex.rounds) > 1
+        assert max(ex.rounds.staging_bytes(i).get(rank, 0) for i in range(len(ex.rounds))) <= cap // 2
+    assert stats.run.peak_staging_bytes <= ex.staging_bytes()  # which adds the FP8 and raw staging of the steps
+
+    # a fault on an assembler while assembling: every rank raises; the engines keep version 2 or are poisoned
+    twice = {n: (v * 2).to(v.dtype) for n, v in full.items()}
+    if source is not None:
+        for name, t in source.tensors.items():
+            t.mul_(2)
+    if boxes and rank == min(s.plan.assembly_staging):
+        faults.arm("raise@assemble blocks")
+    with pytest.raises(RefitError, match="assemble blocks"):
+        s.refit(3)
+    faults.arm(None)
+    if engine is not None:
+        assert s.version == 2 and s.state in ("poisoned", "ready"), s.state
+        if s.state == "ready":
+            check(s.plan, full)
+    s = s.recover()
+    s.refit(4)
+    assert s.plan.assembly is not None and (engine is None or (s.state == "ready" and s.version == 4))
+    check(s.plan, twice)
+    s.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_session_assembles_fp8_blocks_in_the_domains_it_is_given():
+    rs.spawn(_session_assembled, 6, f"127.0.0.1:{free_port()}")

@@ -2,6 +2,9 @@
 
 A :class:`~reshard.planning.precision.PrecisionPlan` runs in three steps on every rank::
 
+    assemble blocks           (with ``assemble``) in rounds under the staging cap: the block rows no
+                              source rank holds whole go to their assemblers, which quantize them
+                              into FP8 staging and free them (reshard.planning.assembly_rounds)
     quantize at source        each source rank quantizes the whole blocks it sends (its
                               quantization's source tasks) into FP8 and scale staging buffers
     <the wire plan's phases>  FP8 values, scales, raw blocks (source precision, into destination
@@ -36,6 +39,7 @@ from typing import Iterable, Mapping
 import torch
 import torch.distributed as dist
 
+from ..planning.assembly_rounds import AssemblyRounds
 from ..planning.precision import PrecisionPlan
 from ..planning.quantization import QuantTask, RankQuantization, first_phase_reads
 from ..quant import grid_shape, quantize_into
@@ -62,13 +66,30 @@ def run_quant_task(task: QuantTask, read: Buffers, write: Buffers) -> None:
 
 
 def staging(plan: PrecisionPlan, rank: int, side: str, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """``rank``'s staging buffers for the quantization (``side``: ``"source"`` (the assemblers' staging
-    included), ``"destination"``, or ``"assembly"`` alone)."""
-    if side == "source":
-        named = {**plan.source_staging.get(rank, {}), **plan.assembly_staging.get(rank, {})}
-    else:
-        named = (plan.assembly_staging if side == "assembly" else plan.destination_staging).get(rank, {})
+    """``rank``'s staging buffers for the quantization (``side``: ``"source"`` (FP8 values and scales),
+    ``"destination"`` (raw blocks), or ``"assembly"``: every assembled box at once; runs allocate those a
+    round at a time, :func:`allocated`)."""
+    named = {"source": plan.source_staging, "destination": plan.destination_staging,
+             "assembly": plan.assembly_staging}[side].get(rank, {})
+    return allocated(named, device)
+
+
+def allocated(named: Mapping, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Empty tensors for ``{name: (shape, dtype)}``."""
     return {b: torch.empty(shape, dtype=dt, device=device) for b, (shape, dt) in named.items()}
+
+
+def assemble_locally(plan: PrecisionPlan, msrc: dict[int, dict[str, torch.Tensor]]) -> None:
+    """Every rank's assembly rounds in this process: each round hands over its boxes (:func:`run_local`)
+    and quantizes them into ``msrc``'s FP8 staging, its boxes freed before the next."""
+    rounds = AssemblyRounds(plan)
+    split = {r: rounds.split(r, plan.quantization(r).source) for r in msrc}
+    for i, round_plan in enumerate(rounds.plans):
+        merged = {r: {**msrc[r], **allocated(rounds.buffers(i, r), device_of(msrc[r]))} for r in msrc}
+        run_local(round_plan, merged, merged)
+        for r in msrc:
+            for task in split[r][0][i]:
+                run_quant_task(task, merged[r], merged[r])
 
 
 def run_local_precision(plan: PrecisionPlan, src_buffers: Mapping[int, Buffers], dst_buffers: Mapping[int, Buffers]
@@ -96,11 +117,14 @@ def run_local_precision(plan: PrecisionPlan, src_buffers: Mapping[int, Buffers],
     for r in sorted(set(plan.source.ranks) | set(plan.source_staging) | set(plan.assembly_staging)):
         buffers = src_buffers.get(r, empty)
         msrc[r] = {**buffers, **staging(plan, r, "source", device_of(buffers))}
+    assembled = {}
     if plan.assembly is not None:
-        run_local(plan.assembly, msrc, msrc)
+        assemble_locally(plan, msrc)
+        assembled = {r: set(plan.assembly_staging.get(r, {})) for r in msrc}
     for r in msrc:
         for task in plan.quantization(r).source:
-            run_quant_task(task, msrc[r], msrc[r])
+            if task.src_buffer not in assembled.get(r, ()):
+                run_quant_task(task, msrc[r], msrc[r])
     for r in sorted(set(plan.destination.ranks) | set(plan.destination_staging)):
         buffers = dst_buffers.get(r, empty)
         mdst[r] = {**buffers, **staging(plan, r, "destination", device_of(buffers))}
@@ -136,12 +160,12 @@ class PrecisionExecutor(Executor):
         if issubclass(wire, ReshardExecutor):
             kwargs["overlap"] = overlap
         self.wire = wire(plan.wire, self.group, **kwargs)
-        self.assembler = None
-        if plan.assembly is not None:  # the assembly phase: a plain plan on the same group
-            self.assembler = ReshardExecutor(plan.assembly, self.group, timeout=timeout, allow_lossy=allow_lossy,
-                                             overlap=overlap)
+        # the assembly phase in rounds under the staging cap (AssemblyRounds), one plain plan each on the group
+        self.rounds = AssemblyRounds(plan) if plan.assembly is not None else None
+        self.assemblers = [ReshardExecutor(p, self.group, timeout=timeout, allow_lossy=allow_lossy, overlap=overlap)
+                           for p in (self.rounds.plans if self.rounds is not None else [])]
         self.setup_error = (self.setup_error or self.wire.setup_error
-                            or (self.assembler.setup_error if self.assembler is not None else None))
+                            or next((a.setup_error for a in self.assemblers if a.setup_error), None))
         if self.setup_error:
             tasks = RankQuantization()
         elif isinstance(self.wire, ReshardExecutor):  # its parts are built: reuse the first phase's reads
@@ -150,6 +174,9 @@ class PrecisionExecutor(Executor):
         else:
             tasks = plan.quantization(self.rank)
         self.source_tasks, self.destination_tasks = tasks.source, tasks.destination
+        # the source tasks that read assembled boxes run in their round; the others after every round
+        self.round_tasks, self.later_tasks = (self.rounds.split(self.rank, self.source_tasks) if self.rounds is not None
+                                              else ([], list(self.source_tasks)))
         # the wire's guarantees are the run's (the class's flags hold for the default wire)
         self.needed_bytes_only, self.bounded_staging = self.wire.needed_bytes_only, self.wire.bounded_staging
         self.collective_setup = self.wire.collective_setup
@@ -169,21 +196,26 @@ class PrecisionExecutor(Executor):
     def where(self, value: str) -> None:
         self._step = value
 
+    def assembly_staging_bytes(self) -> int:
+        """The most this rank stages in one assembly round: its boxes of the round plus the round's transfer
+        staging (at most the plan's ``max_bucket_bytes``: :mod:`reshard.planning.assembly_rounds`)."""
+        return max((a.staging_bytes() + self.rounds.staging_bytes(i).get(self.rank, 0)
+                    for i, a in enumerate(self.assemblers)), default=0)
+
     def staging_bytes(self) -> int:
-        """Bytes this rank allocates: the wire's staging plus the quantization's."""
+        """Bytes this rank allocates: the wire's staging (or an assembly round's, the larger: one runs after the
+        other) plus the quantization's (FP8 values and scales, raw blocks)."""
         figures = self.plan.staging_bytes()
         wire = self.wire.staging_bytes() if hasattr(self.wire, "staging_bytes") else 0
-        if self.assembler is not None:
-            wire = max(wire, self.assembler.staging_bytes())  # one phase after the other
-        return (wire + figures["source"].get(self.rank, 0) + figures["destination"].get(self.rank, 0)
-                + figures.get("assembly", {}).get(self.rank, 0))
+        return (max(wire, self.assembly_staging_bytes()) + figures["source"].get(self.rank, 0)
+                + figures["destination"].get(self.rank, 0))
 
     def close(self) -> None:
         """Release the wire executor (its subgroups; local, idempotent)."""
         super().close()
         self.wire.close()
-        if self.assembler is not None:
-            self.assembler.close()
+        for assembler in self.assemblers:
+            assembler.close()
 
     def fail(self, error: RefitError) -> RefitError:
         return self.wire.fail(error)
@@ -194,8 +226,8 @@ class PrecisionExecutor(Executor):
         own_src = set(self.plan.source_staging.get(self.rank, {})) | set(self.plan.assembly_staging.get(self.rank, {}))
         own_dst = set(self.plan.destination_staging.get(self.rank, {}))
         wire_read, wire_written = self.wire.buffers_used()
-        if self.assembler is not None:
-            wire_read = wire_read | self.assembler.buffers_used()[0]
+        for assembler in self.assemblers:
+            wire_read = wire_read | assembler.buffers_used()[0]
         read = {t.src_buffer for t in self.source_tasks} | wire_read
         written = {b for t in self.destination_tasks for b in (t.q_buffer, t.s_buffer)} | wire_written
         return read - own_src, written - own_dst
@@ -211,8 +243,11 @@ class PrecisionExecutor(Executor):
             merged_src = {**src, **staging(self.plan, self.rank, "source", device)}
             merged_dst = {**dst, **staging(self.plan, self.rank, "destination", device)}
         problem = self.wire.check(merged_src, merged_dst)
-        if not problem and self.assembler is not None:
-            problem = self.assembler.check(merged_src, merged_src)
+        for i, assembler in enumerate(self.assemblers):  # each round with its own boxes (one round's at a time)
+            if problem:
+                break
+            merged = {**merged_src, **allocated(self.rounds.buffers(i, self.rank), device_of(src, dst))}
+            problem = assembler.check(merged, merged)
         if problem:
             return problem
         read, written = self.buffers_used()
@@ -259,35 +294,69 @@ class PrecisionExecutor(Executor):
     def _steps(self, dst_buffers: Buffers, merged_src: Buffers, merged_dst: Buffers, src_stage: Buffers,
                dst_stage: Buffers, device: torch.device) -> list[PhaseStats]:
         """The three steps on buffers with this rank's staging merged in; marks :attr:`touched`."""
-        phases = []
-        if self.assembler is not None:
-            self._step = ASSEMBLY_STEP
-            faults.hit(ASSEMBLY_STEP)
-            phases += [dataclasses.replace(p, name=ASSEMBLY_STEP)
-                       for p in self.assembler.move(merged_src, merged_src, device)]
-        # touched from here on: the other ranks go on into the wire as soon as their own source step ends, so a
-        # source failing in its own step asks the destinations whether they wrote (the session's ``moved``)
-        # instead of declaring that nothing moved while they already count themselves written
+        # touched from here on: the other ranks go on into the wire as soon as their own assembly and source
+        # steps end, so a source failing in one of its own asks the destinations whether they wrote (the
+        # session's ``moved``) instead of declaring that nothing moved while they already count themselves written
         self.touched = True
-        phases.append(self._quantize(SOURCE_STEP, self.source_tasks, merged_src, merged_src, src_stage, device))
+        phases, quantized = [], (0.0, 0)
+        if self.assemblers:
+            assembly, quantized = self._assemble(merged_src, device)
+            phases.append(assembly)
+        source = self._quantize(SOURCE_STEP, self.later_tasks, merged_src, merged_src, src_stage, device)
+        phases.append(dataclasses.replace(source, seconds=source.seconds + quantized[0],
+                                          local_bytes=source.local_bytes + quantized[1]))
         self._step = None
         phases += self.wire.move(merged_src, merged_dst, device)
         phases.append(self._quantize(DESTINATION_STEP, self.destination_tasks, merged_dst, dst_buffers, dst_stage,
                                      device))
         return phases
 
+    def _assemble(self, merged_src: Buffers, device: torch.device) -> tuple[PhaseStats, tuple[float, int]]:
+        """The assembly rounds: each hands over its boxes, then this rank quantizes its own into FP8 staging
+        and frees them. (One ``assemble blocks`` phase: transfers, peak staging of a round; (seconds, bytes
+        written) of the quantization, counted with the source step's.)"""
+        self._step = ASSEMBLY_STEP
+        faults.hit(ASSEMBLY_STEP)
+        moved: list[PhaseStats] = []
+        peak, quantized, written = 0, 0.0, 0
+        for i, assembler in enumerate(self.assemblers):
+            self._step = ASSEMBLY_STEP
+            boxes = allocated(self.rounds.buffers(i, self.rank), device)
+            merged = {**merged_src, **boxes}
+            stats = assembler.move(merged, merged, device)
+            moved += stats
+            staged = sum(t.numel() * t.element_size() for t in boxes.values())
+            peak = max(peak, staged + max((p.peak_staging_bytes for p in stats), default=0))
+            start = time.perf_counter()
+            written += self._run_tasks(SOURCE_STEP, self.round_tasks[i], merged, merged)
+            synchronize(device)
+            quantized += time.perf_counter() - start
+            del boxes, merged
+        total = RunStats.of_phases(self.rank, moved)
+        return (PhaseStats(ASSEMBLY_STEP, total.seconds, total.sent_bytes, total.recv_bytes, total.local_bytes, peak,
+                           total.rounds, total.messages), (quantized, written))
+
+    def _run_tasks(self, step: str, tasks: Iterable[QuantTask], read: Buffers, write: Buffers) -> int:
+        """Run ``tasks`` as step ``step`` (its fault point passed once, at its first task); bytes written."""
+        written = 0
+        for task in tasks:
+            if self._step != step:
+                self._step = step
+                faults.hit(step)
+            run_quant_task(task, read, write)
+            written += task.sizes[0] * task.sizes[1] + (1 if task.mx else 4) * task.blocks
+        return written
+
     def _quantize(self, step: str, tasks: Iterable[QuantTask], read: Buffers, write: Buffers,
                   stage: Mapping[str, torch.Tensor], device: torch.device) -> PhaseStats:
         self._step = step
         start = time.perf_counter()
         faults.hit(step)
-        written = 0
-        for task in tasks:
-            run_quant_task(task, read, write)
-            written += task.sizes[0] * task.sizes[1] + (1 if task.mx else 4) * task.blocks
+        written = self._run_tasks(step, tasks, read, write)
         synchronize(device)
         staged = sum(t.numel() * t.element_size() for t in stage.values())
         return PhaseStats(step, time.perf_counter() - start, 0, 0, written, staged, 0, 0)
 
 
-__all__ = ["ASSEMBLY_STEP", "DESTINATION_STEP", "PrecisionExecutor", "SOURCE_STEP", "run_local_precision", "run_quant_task", "staging"]
+__all__ = ["ASSEMBLY_STEP", "DESTINATION_STEP", "PrecisionExecutor", "SOURCE_STEP", "allocated", "assemble_locally",
+           "run_local_precision", "run_quant_task", "staging"]

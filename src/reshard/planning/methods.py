@@ -20,7 +20,11 @@ the other tensors) is the method's own plan, run by the precision executor aroun
 executor. Each block is quantized where some source rank holds it whole, except by
 gather-and-broadcast (and the hybrid's gather-and-broadcast part), which sends every block in
 the source's precision and quantizes it on the receivers, as the stacks that gather and
-broadcast do. The hybrid rule picks a wire tensor by the
+broadcast do. Where the options carry NVLink domains (methods that take ``domains``: given, or
+found by the session on GPU hosts), blocks no source rank holds whole but the source ranks of one
+domain hold together (FSDP's row pieces) are first assembled on one of them
+(:func:`source_domains`, :mod:`reshard.planning.fp8_assembly`) and cross as FP8; without domains
+they cross in the source's precision, as before. The hybrid rule picks a wire tensor by the
 destination tensor it carries (``w_scale_inv`` and ``w@raw`` go with ``w``).
 
 >>> import torch, reshard as rs
@@ -84,7 +88,8 @@ class Method:
             return self.plan(wire_source, wire_destination, wire_options)
 
         return PrecisionPlan(source, destination, options.policy, max_bucket_bytes=options.max_bucket_bytes,
-                             wire=wire, at_source=self.quantize_at_source(options))
+                             wire=wire, at_source=self.quantize_at_source(options),
+                             assemble=source_domains(source, options.domains))
 
     def accepts(self, option: str) -> bool:
         return option in COMMON_OPTIONS or option in self.takes
@@ -106,6 +111,20 @@ class CarriedTensorRule(HybridRule):
     @property
     def key(self) -> str:
         return "carried:" + HybridRule.key.fget(self)
+
+
+def source_domains(source: Layout, domains: Mapping[int, int] | None) -> dict[int, int] | None:
+    """The NVLink domains of ``source``'s ranks (the ``assemble`` of a precision plan: blocks no source rank
+    holds whole are assembled inside them), or None without domains.
+
+    >>> import torch, reshard as rs
+    >>> spec = rs.TensorSpec("w", (4, 4), torch.float32)
+    >>> source_domains(rs.Layout.from_placements(spec, [0, 1], (2,), [rs.Shard(0)]), {0: 0, 1: 0, 2: 1})
+    {0: 0, 1: 0}
+    """
+    if not domains:
+        return None
+    return {rank: domains[rank] for rank in source.ranks if rank in domains} or None
 
 
 def _everywhere(name: str) -> bool:
@@ -160,4 +179,4 @@ def resolve(method: str, domains: Mapping[int, int] | None) -> str:
 
 
 __all__ = ["AUTO", "AUTO_TAKES", "COMMON_OPTIONS", "CarriedTensorRule", "GATHER_BROADCAST", "HIERARCHICAL", "HYBRID", "METHODS",
-           "METHOD_NAMES", "Method", "RESHARD", "resolve"]
+           "METHOD_NAMES", "Method", "RESHARD", "resolve", "source_domains"]
