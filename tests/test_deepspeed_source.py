@@ -187,8 +187,7 @@ def gathered(module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _check_against_gathered(job, job_rank, rank, world, store_addr, kind):
-    _deepspeed_env(job_rank, 2)
+def _check_against_gathered(job_rank, kind):
     from reshard.integrations.deepspeed import zero3_side
     from reshard.integrations.vllm import ReshardSource
     from reshard.refit import Side
@@ -223,18 +222,7 @@ def _check_against_gathered(job, job_rank, rank, world, store_addr, kind):
         assert set(side.layout.specs) == set(full)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_zero3_side_matches_gathered_parameters(kind):
-    pytest.importorskip("deepspeed")
-    from launch import launch
-
-    launch(_check_against_gathered, [2], kind)
-
-
-def _check_refusals(job, job_rank, rank, world, store_addr):
-    _deepspeed_env(job_rank, 2)
+def _check_refusals(job_rank):
     from deepspeed.runtime.config import DeepSpeedConfigError
 
     from reshard.integrations.deepspeed import zero3_side
@@ -272,13 +260,22 @@ def _check_refusals(job, job_rank, rank, world, store_addr):
         zero3_side(engine.module, job_rank, rank_of={0: 1, 1: 0})
 
 
+def _check_sides_and_refusals(job, job_rank, rank, world, store_addr):
+    _deepspeed_env(job_rank, 2)
+    for kind in ("dense", "moe"):
+        _check_against_gathered(job_rank, kind)
+    _check_refusals(job_rank)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_unsupported_configurations_are_refused_naming_the_option():
+def test_zero3_sides_match_gathered_parameters_and_bad_configurations_are_refused():
+    """Dense and MoE sides against ``GatheredParameters``, then the refusals, in one launch of 2 processes
+    (each model and engine built afresh in it: the processes' start and DeepSpeed's import paid once)."""
     pytest.importorskip("deepspeed")
     from launch import launch
 
-    launch(_check_refusals, [2])
+    launch(_check_sides_and_refusals, [2])
 
 
 # ------------------------------------------------------------------ a ZeRO-3 trainer refits a real vLLM engine
