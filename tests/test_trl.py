@@ -184,6 +184,8 @@ def _worker(spec: dict) -> None:
     records = []
 
     def sync_and_record() -> None:
+        if spec["mode"] == "colocate" and not records:  # the engine as vLLM loaded the checkpoint: step 0's reference
+            result["start_digests"] = [computed_digest(generation.llm.llm_engine.model_executor.driver_worker)]
         refit()
         model = trainer.accelerator.unwrap_model(trainer.model)
         full = _gathered(model)
@@ -199,8 +201,8 @@ def _worker(spec: dict) -> None:
                         "digests": digests, "kinds": kinds})
         torch.save(full, f"{spec['out']}/full-{rank}-{generation.weight_version}.pt")
 
-    generation.sync_weights = sync_and_record
     result: dict = {"rank": rank}
+    generation.sync_weights = sync_and_record
     if spec["mode"] == "colocate":
         result["dtype"] = str(generation.llm.llm_engine.model_config.dtype).removeprefix("torch.")
     try:
@@ -395,6 +397,9 @@ def test_grpo_colocate_mode_fsdp2(tiny, tmp_path):
     with reap_engine_processes():
         results = run_trainers({"mode": "colocate", "ckpt": tiny["ckpt"], "port": free_port(), "steps": 2,
                                 "fsdp2": True}, tmp_path)
+    # each rank's engine as it started is a fresh engine of the checkpoint: step 0's reference (as the server's is)
+    assert results[0]["start_digests"] == results[1]["start_digests"]
+    tiny["fresh"][f"{tiny['ckpt']}|1|{results[0]['dtype']}"] = results[0]["start_digests"]
     check_run(results, tiny["fresh"], tmp_path, tiny["ckpt"], 1, results[0]["dtype"], "DTensor")
     # both ranks' engines hold the same weights; each received the half it did not hold from the other rank
     assert results[0]["records"][-1]["digests"] == results[1]["records"][-1]["digests"]
