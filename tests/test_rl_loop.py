@@ -33,6 +33,9 @@ from reshard.apps.rl.loop import VersionError, batch_version
 
 SHORT = {"prompts": 2, "group": 4, "max_tokens": 6, "timeout_s": 120.0}
 ASYNC_STEPS, ASYNC_LR = 12, 3e-2  # the async test: enough steps for the reward to rise (the demo's batch size)
+# a short run's own bounds: its actors' start (orchestrate.START_TIMEOUT_S, 300 s) and each step (timeout_s);
+# the test's limit lies above them, so a slow start fails with the loop's error, not pytest-timeout's
+RUN_LIMIT_S = 600
 STALL_S = 5.0  # the async test holds one background refit back this long (a training step takes well under it)
 
 
@@ -189,7 +192,7 @@ def _run(cfg, run=None):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(RUN_LIMIT_S)
 def test_rl_loop_local_every_method():
     pytest.importorskip("vllm")
     from reshard.apps.rl.loop import RLConfig
@@ -201,7 +204,7 @@ def test_rl_loop_local_every_method():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(RUN_LIMIT_S)
 def test_rl_loop_ray_actors():
     pytest.importorskip("vllm")
     ray = pytest.importorskip("ray")
