@@ -18,7 +18,10 @@ replicas, ``tp x dp``). Per repeat, one run of each, in alternating order (the m
             training ranks form one domain (``--domain``: ranks per domain), and a block no rank
             holds whole but the domain's ranks hold together is first handed to one of them
             ("assemble blocks"), which quantizes it and sends FP8; only blocks that span domains
-            still cross in BF16
+            still cross in BF16. The assembly runs in rounds under the cap (``--bucket``, the
+            executors' ``max_bucket_bytes``): "asm staging" is the busiest rank's peak of a round
+            (its boxes plus the round's transfer staging, from the run's stats) against its boxes
+            staged all at once (the plan's ``staging_bytes()["assembly"]``, before rounds)
 
 Times are the slowest rank's wall time of one ``run``, median over repeats; the assemble and
 quantize columns are the slowest rank's time in those RunStats phases (median). Wire MiB excludes
@@ -85,16 +88,17 @@ def _check_fp8(pp, rank: int, buffers, ref) -> list[str]:
     return out
 
 
-def _worker(rank: int, world: int, path: str, config: str, layers: int, repeat: int, domain: int) -> None:
+def _worker(rank: int, world: int, path: str, config: str, layers: int, repeat: int, domain: int,
+            bucket: int) -> None:
     import json
 
     (train, infer), = parse_configs(config)
     lay = model_layouts(get_arch(DEMO_MODEL).with_overrides(layers=layers), train, infer)
     src = verify.fill_source(lay.source, rank) if rank in lay.source_ranks else {}
     size = domain or len(lay.source.ranks)
-    plans = {"bf16": rs.plan(lay.source, lay.destination, max_bucket_bytes=32 * MiB),
-             "fp8": precision_plan(lay.source, lay.destination, "fp8", max_bucket_bytes=32 * MiB),
-             "fp8 asm": precision_plan(lay.source, lay.destination, "fp8", max_bucket_bytes=32 * MiB,
+    plans = {"bf16": rs.plan(lay.source, lay.destination, max_bucket_bytes=bucket),
+             "fp8": precision_plan(lay.source, lay.destination, "fp8", max_bucket_bytes=bucket),
+             "fp8 asm": precision_plan(lay.source, lay.destination, "fp8", max_bucket_bytes=bucket,
                                        assemble={r: r // size for r in lay.source.ranks})}
     pp = plans["fp8"]
     dst = {"bf16": lay.destination.empty_buffers(rank), "fp8": pp.destination.empty_buffers(rank),
@@ -106,6 +110,7 @@ def _worker(rank: int, world: int, path: str, config: str, layers: int, repeat: 
     steps = (ASSEMBLY_STEP, SOURCE_STEP, DESTINATION_STEP)
     quant = {kind: {step: [] for step in steps} for kind in KINDS[1:]}
     bad: list[str] = []
+    asm_peak = 0  # this rank's peak staging of an assembly round (run stats)
     for i in range(repeat + 1):
         for kind in (KINDS if i % 2 else KINDS[::-1]):  # alternating order: the machine is noisy
             for t in dst[kind].values():
@@ -118,6 +123,7 @@ def _worker(rank: int, world: int, path: str, config: str, layers: int, repeat: 
                 times[kind].append(elapsed)
                 if kind != "bf16":
                     seconds = {p.name: p.seconds for p in stats.phases}
+                    asm_peak = max([asm_peak] + [p.peak_staging_bytes for p in stats.phases if p.name == ASSEMBLY_STEP])
                     for step in steps:
                         quant[kind][step].append(seconds.get(step, 0.0))
             if rank in lay.destination_ranks:
@@ -130,7 +136,9 @@ def _worker(rank: int, world: int, path: str, config: str, layers: int, repeat: 
         paths = plans[kind].tensor_paths().values()
         figures[kind] = {"by_path": plans[kind].wire_bytes_by_path(), "bytes": plans[kind].wire_bytes,
                          "assembly": plans[kind].assembly_bytes,
-                         "blocks": [sum(p[k] for p in paths) for k in ("source", "assembled", "destination")]}
+                         "blocks": [sum(p[k] for p in paths) for k in ("source", "assembled", "destination")],
+                         "asm_all": plans[kind].staging_bytes().get("assembly", {}).get(rank, 0),
+                         "asm_peak": asm_peak, "rounds": len(executors[kind].rounds or ())}
     everyone = [None] * world
     dist.all_gather_object(everyone, {"times": times, "quant": quant, "bad": bad,
                                       "bf16_bytes": plans["bf16"].wire_bytes, "fp8": figures})
@@ -154,16 +162,18 @@ def main(argv: list[str] | None = None) -> int:
                          "(default %(default)s; 3 sources split the weights unevenly: some blocks have no "
                          "whole holder; 12 sources cut the 1024-row weights into 86-row pieces, under a block, "
                          "as FSDP over many GPUs does)")
+    ap.add_argument("--bucket", type=int, default=32 * MiB,
+                    help="max_bucket_bytes of every plan (default %(default)s): the assembly rounds' cap too")
     ap.add_argument("--domain", type=int, default=0,
                     help="training ranks per domain for the assembled path (default: all of them, one domain)")
     args = ap.parse_args(argv)
     console = Console(width=max(Console().width, 180))
     print_header(console, "benchmarks/bench_fp8.py", argv)
     table = Table(title=f"BF16 -> BF16 vs BF16 -> FP8 (e4m3, 128x128 block scales) without and with block "
-                        f"assembly, {args.layers}-layer {DEMO_MODEL}, gloo on this CPU (measured; median of "
-                        f"{args.repeat})")
+                        f"assembly, {args.layers}-layer {DEMO_MODEL}, gloo on this CPU, max_bucket_bytes "
+                        f"{args.bucket / MiB:g} MiB (measured; median of {args.repeat})")
     cols = ("config", "destination", "wire MiB", "fp8 / scales / raw bf16 / other MiB", "assembly MiB",
-            "blocks src / asm / dst", "refit s", "assemble s", "quantize at source s", "quantize at destination s",
+            "asm staging MiB round / all (rounds)", "blocks src / asm / dst", "refit s", "assemble s", "quantize at source s", "quantize at destination s",
             "x bf16 time")
     for col in cols:
         table.add_column(col, justify="left" if col in ("config", "destination") else "right")
@@ -171,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     for config in args.configs.split(","):
         (train, infer), = parse_configs(config)
         world = train.world + infer.world
-        ranks = spawn_for_json(_worker, world, config, args.layers, args.repeat, args.domain)
+        ranks = spawn_for_json(_worker, world, config, args.layers, args.repeat, args.domain, args.bucket)
         ok &= not any(r["bad"] for r in ranks)
         for r in ranks:
             for b in r["bad"]:
@@ -179,15 +189,18 @@ def main(argv: list[str] | None = None) -> int:
         t = {k: _median_of_slowest(ranks, lambda r, k=k: r["times"][k], args.repeat) for k in KINDS}
         r0 = ranks[0]
         table.add_row(config, "BF16", f"{r0['bf16_bytes'] / MiB:.1f}", f"- / - / - / {r0['bf16_bytes'] / MiB:.1f}",
-                      "-", "-", f"{t['bf16']:.3f}", "-", "-", "-", "1.00x")
+                      "-", "-", "-", f"{t['bf16']:.3f}", "-", "-", "-", "1.00x")
         for kind, label in (("fp8", "FP8, raw BF16 where no whole holder"), ("fp8 asm", "FP8, blocks assembled")):
             q = {s: _median_of_slowest(ranks, lambda r, s=s, kind=kind: r["quant"][kind][s], args.repeat)
                  for s in (ASSEMBLY_STEP, SOURCE_STEP, DESTINATION_STEP)}
             f = r0["fp8"][kind]
             w = f["by_path"]
+            peak, every = (max(r["fp8"][kind][k] for r in ranks) for k in ("asm_peak", "asm_all"))
+            staged = f"{peak / MiB:.1f} / {every / MiB:.1f} ({f['rounds']})" if f["assembly"] else "-"
             table.add_row("", label, f"{f['bytes'] / MiB:.1f}",
                           " / ".join(f"{w[k] / MiB:.1f}" for k in ("fp8", "scales", "raw", "other")),
-                          f"{f['assembly'] / MiB:.1f}", " / ".join(f"{b:,}" for b in f["blocks"]), f"{t[kind]:.3f}",
+                          f"{f['assembly'] / MiB:.1f}", staged, " / ".join(f"{b:,}" for b in f["blocks"]),
+                          f"{t[kind]:.3f}",
                           f"{q[ASSEMBLY_STEP]:.3f}" if f["assembly"] else "-", f"{q[SOURCE_STEP]:.3f}",
                           f"{q[DESTINATION_STEP]:.3f}", f"{t[kind] / t['bf16']:.2f}x", end_section=kind == "fp8 asm")
     console.print(table)
