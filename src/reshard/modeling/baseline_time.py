@@ -258,8 +258,9 @@ def gather_broadcast_fair_time(stages: Sequence[baseline.Stage], receivers: Sequ
     num_rounds = max([len(ring.buckets) for ring in rings] + [0])
     gather = _PhaseTally("gather", num_rounds, placement.num_gpus)
     broadcast = _PhaseTally("broadcast", num_rounds, placement.num_gpus)
+    cells = _GatherCells(placement)
     for j in range(num_rounds):
-        load = _fair_round(j, rings, placement, relays_of)
+        load = _fair_round(j, rings, placement, relays_of, cells)
         gather_latency = 0.0
         if load.network or load.nvlink:
             gather_latency = topology.launch_latency_s + (topology.net_latency_s if load.network
@@ -336,11 +337,12 @@ class _RoundLoad:
     ring_latency: float = 0.0
 
 
-def _fair_round(j: int, rings: Sequence[_StageRing], placement: Placement, relays: _Relays) -> _RoundLoad:
+def _fair_round(j: int, rings: Sequence[_StageRing], placement: Placement, relays: _Relays,
+                cells: "_GatherCells") -> _RoundLoad:
     """Round ``j``: the ``j``-th bucket of every stage that has one, gathered and broadcast at once."""
-    gpu_of, domain_size = placement.gpu_of, placement.topology.gpus_per_domain
     shape = (len(LINKS), placement.num_gpus)
     load = _RoundLoad(np.zeros(shape), np.zeros(shape))
+    flat = load.gather.reshape(-1)
     for ring in rings:
         if j >= len(ring.buckets):
             continue
@@ -349,39 +351,104 @@ def _fair_round(j: int, rings: Sequence[_StageRing], placement: Placement, relay
         if ring.load_per_byte.any() and size:
             load.broadcast += size * ring.load_per_byte
             load.ring_latency = max(load.ring_latency, ring.hop_latency)
-        sends: dict[int, float] = defaultdict(float)  # by sending GPU
-        for i in bucket:
-            for src, nbytes in ring.stage.sends[i].items():
-                if nbytes > 0:
-                    sends[int(gpu_of[src])] += nbytes
-        for gpu, nbytes in sends.items():
-            if gpu == ring.root_gpu:
-                continue
-            if gpu // domain_size == ring.root_gpu // domain_size:
-                load.gather[NVL_OUT, gpu] += nbytes
-                load.gather[NVL_IN, ring.root_gpu] += nbytes
-                load.nvlink = True
-            else:
-                _spread(load.gather, gpu, relays.of(gpu), nbytes, NIC_OUT)
-                _spread(load.gather, ring.root_gpu, relays.of(ring.root_gpu), nbytes, NIC_IN)
-                load.network = True
+        gpus, sent = cells.sends(ring.stage.sends, bucket)
+        if not len(gpus):
+            continue
+        index, divisor, factor, counts, network, nvlink = cells.pattern(ring.root_gpu, gpus, relays)
+        # each GPU's bytes on its cells (_GatherCells.spread), added in the order the GPUs first send
+        np.add.at(flat, index, np.repeat(sent, counts) / divisor * factor)
+        load.network |= network
+        load.nvlink |= nvlink
     return load
 
 
-def _spread(load: np.ndarray, gpu: int, helpers: np.ndarray, nbytes: float, out_kind: int) -> None:
-    """``nbytes`` held by ``gpu`` cross a domain boundary spread evenly over the NICs of ``helpers``
-    (the domain's GPUs in the communicator, ``gpu`` among them): ``gpu`` hands each other helper its
-    share over NVLink, each helper moves its share over its NIC (``out_kind`` NIC out or NIC in;
-    for NIC in, read "hands" the other way: the helpers forward to ``gpu``)."""
-    share = nbytes / len(helpers)
-    load[out_kind, helpers] += share
-    others = helpers[helpers != gpu]
-    if out_kind == NIC_OUT:
-        load[NVL_OUT, gpu] += share * len(others)
-        load[NVL_IN, others] += share
-    else:
-        load[NVL_OUT, others] += share
-        load[NVL_IN, gpu] += share * len(others)
+class _GatherCells:
+    """What a gather round adds to the links, worked out once per tensor and per set of sending GPUs
+    (the same few recur in every round): per tensor its sending GPUs and bytes, per (root, GPUs) the
+    link cells each GPU's bytes go on (:meth:`spread`, or the NVLink hop inside root's domain), in order."""
+
+    def __init__(self, placement: Placement):
+        self._gpu_of = placement.gpu_of
+        self._num_gpus = placement.num_gpus
+        self._domain_size = placement.topology.gpus_per_domain
+        self._tensors: dict[int, tuple] = {}
+        self._patterns: dict[tuple, tuple] = {}
+        self._spreads: dict[tuple[int, int], tuple] = {}
+
+    def _tensor(self, sends: Mapping[int, float]) -> tuple[np.ndarray, np.ndarray]:
+        hit = self._tensors.get(id(sends))  # the stages (and their dicts) stay alive while the model runs
+        if hit is None:
+            live = [(src, nbytes) for src, nbytes in sends.items() if nbytes > 0]
+            gpus = self._gpu_of[np.array([src for src, _ in live], np.int64)]
+            hit = self._tensors[id(sends)] = (sends, gpus.astype(np.int64),
+                                              np.array([nbytes for _, nbytes in live], np.float64))
+        return hit[1], hit[2]
+
+    def sends(self, sends: Sequence[Mapping[int, float]], bucket: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(sending GPUs in the order they first send, bytes each sends) of one bucket."""
+        parts = [self._tensor(sends[i]) for i in bucket]
+        gpus = np.concatenate([g for g, _ in parts]) if parts else np.zeros(0, np.int64)
+        if not len(gpus):
+            return gpus, np.zeros(0)
+        nbytes = np.concatenate([b for _, b in parts])
+        total = np.bincount(gpus, weights=nbytes, minlength=self._num_gpus)  # in order, as a running sum
+        uniq, first = np.unique(gpus, return_index=True)
+        order = uniq[np.argsort(first, kind="stable")]
+        return order, total[order]
+
+    def spread(self, gpu: int, helpers: np.ndarray, out_kind: int) -> tuple[np.ndarray, np.ndarray, int]:
+        """Bytes held by ``gpu`` cross a domain boundary spread evenly over the NICs of ``helpers`` (the
+        domain's GPUs in the communicator, ``gpu`` among them): ``gpu`` hands each other helper its
+        share over NVLink, each helper moves its share over its NIC (``out_kind`` NIC out or NIC in;
+        for NIC in, the helpers forward to ``gpu``). Returns (flat link cells, each one's multiple of
+        the share, the number of helpers: the share is bytes / helpers)."""
+        key = (gpu, out_kind)
+        hit = self._spreads.get(key)
+        if hit is None:
+            g = self._num_gpus
+            others = helpers[helpers != gpu]
+            if out_kind == NIC_OUT:
+                index = np.concatenate([out_kind * g + helpers, [NVL_OUT * g + gpu], NVL_IN * g + others])
+                factor = np.concatenate([np.ones(len(helpers)), [float(len(others))], np.ones(len(others))])
+            else:
+                index = np.concatenate([out_kind * g + helpers, NVL_OUT * g + others, [NVL_IN * g + gpu]])
+                factor = np.concatenate([np.ones(len(helpers)), np.ones(len(others)), [float(len(others))]])
+            hit = self._spreads[key] = (index.astype(np.int64), factor, len(helpers))
+        return hit
+
+    def pattern(self, root_gpu: int, gpus: np.ndarray, relays: _Relays) -> tuple:
+        """(cells, divisor, factor, cells per GPU, any network, any NVLink) of sending GPUs ``gpus``."""
+        key = (root_gpu, gpus.tobytes())
+        hit = self._patterns.get(key)
+        if hit is not None:
+            return hit
+        g, ds = self._num_gpus, self._domain_size
+        index, divisor, factor, counts = [], [], [], []
+        network = nvlink = False
+        for gpu in gpus.tolist():
+            if gpu == root_gpu:
+                counts.append(0)
+                continue
+            if gpu // ds == root_gpu // ds:
+                parts = [(np.array([NVL_OUT * g + gpu, NVL_IN * g + root_gpu], np.int64), np.ones(2), 1)]
+                nvlink = True
+            else:
+                parts = [self.spread(gpu, relays.of(gpu), NIC_OUT),
+                         self.spread(root_gpu, relays.of(root_gpu), NIC_IN)]
+                network = True
+            n = 0
+            for cells, times, helpers in parts:
+                index.append(cells)
+                factor.append(times)
+                divisor.append(np.full(len(cells), float(helpers)))
+                n += len(cells)
+            counts.append(n)
+        empty = np.zeros(0)
+        hit = self._patterns[key] = (np.concatenate(index) if index else np.zeros(0, np.int64),
+                                     np.concatenate(divisor) if divisor else empty,
+                                     np.concatenate(factor) if factor else empty,
+                                     np.array(counts, np.int64), network, nvlink)
+        return hit
 
 
 class _PhaseTally:
