@@ -39,6 +39,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Mapping
 
+import numpy as np
+
 from ..layout import Layout
 from .baseline import GatherBroadcastPlan, gather_broadcast_bytes
 from .hierarchy import HierarchicalPlan, hierarchical_plan
@@ -133,27 +135,49 @@ def tensor_subset(layout: Layout, names) -> Layout:
     wanted = set(names)
     keep = [n for n in layout.specs if n in wanted]
     tables = {n: layout.tables[n] for n in keep}
-    used: dict[int, set[str]] = {}
-    seen: set[tuple[int, str]] = set()  # (ranks array, buffer) already counted: tables alike share ranks arrays
-    for t in tables.values():
+    by_ranks: dict[int, tuple[np.ndarray, dict[str, None]]] = {}  # id(ranks array) -> (it, its buffers)
+    own: dict[int, set[str]] = {}  # buffers of tables whose pieces live in several buffers, by rank
+    ranks: dict[int, None] = {}  # ranks in the order the tables name them
+    for t in tables.values():  # every table stays alive while this runs: ids are unique
         if not len(t):
             continue
         b = t.one_buffer()
         if b is None:
             for r, buf in zip(t.ranks.tolist(), t.buffers):
-                used.setdefault(r, set()).add(buf)
-        elif (id(t.ranks), b) not in seen:  # every table stays alive while this runs: ids are unique
-            seen.add((id(t.ranks), b))
-            for r in dict.fromkeys(t.ranks.tolist()):  # distinct ranks, in the order the pieces name them
-                used.setdefault(r, set()).add(b)
-    buffers = {r: _buffer_specs(layout, r, sorted(bufs)) for r, bufs in used.items()}
+                ranks.setdefault(r)
+                own.setdefault(r, set()).add(buf)
+            continue
+        hit = by_ranks.get(id(t.ranks))
+        if hit is None:  # tables alike share ranks arrays: each is looked at once
+            hit = by_ranks[id(t.ranks)] = (t.ranks, {})
+            ranks.update(dict.fromkeys(t.ranks.tolist()))
+        hit[1][b] = None
+    member: dict[int, list[int]] = {r: [] for r in ranks}
+    for k, (held, _) in enumerate(by_ranks.values()):
+        for r in np.unique(held).tolist():
+            member[r].append(k)
+    groups = [set(bufs) for _, bufs in by_ranks.values()]
+    sorted_names: dict[tuple[int, ...], list[str]] = {}  # ranks in the same groups hold the same buffers
+    buffers = {}
+    for r in ranks:
+        key = tuple(member[r])
+        if r in own:
+            bufs = sorted(own[r].union(*(groups[k] for k in key)))
+        else:
+            bufs = sorted_names.get(key)
+            if bufs is None:
+                bufs = sorted_names[key] = sorted(set().union(*(groups[k] for k in key)))
+        buffers[r] = _buffer_specs(layout, r, bufs)
     return Layout({n: layout.specs[n] for n in keep}, tables, buffers, validate=False)
 
 
 def _buffer_specs(layout: Layout, rank: int, names: list[str]) -> dict:
     """``{name: (shape, dtype)}`` of ``rank``'s buffers ``names`` (one copy of its buffers, not one look-up each)."""
     held = layout.buffers(rank)
-    return {b: held[b] if b in held else layout.buffer_spec(rank, b) for b in names}
+    try:
+        return dict(zip(names, map(held.__getitem__, names)))
+    except KeyError:  # a buffer the rank lacks: buffer_spec names it
+        return {b: held[b] if b in held else layout.buffer_spec(rank, b) for b in names}
 
 
 def split_layout(layout: Layout, rule: Callable[[str], bool] | None = None) -> tuple[Layout, Layout]:
