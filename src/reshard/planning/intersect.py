@@ -232,32 +232,19 @@ def tensor_items(name: str, st: PieceTable, dt: PieceTable) -> TensorItems:
         )
     # candidate source pieces per region, one per rank, as CSR; and (region, rank) -> local piece
     width = int(max(st.ranks.max(initial=0), dt.ranks.max(initial=0))) + 1
-    cand_lists, local_keys, local_piece = [], [], []
-    for r, holders in enumerate(regions.holders):
-        hr = st.ranks[holders]
-        _, first = np.unique(hr, return_index=True)
-        first = np.sort(first)
-        cand_lists.append(holders[first])
-        local_keys.append(r * width + hr[first])
-        local_piece.append(holders[first])
-    counts = np.array([len(c) for c in cand_lists], np.int64)
+    candidates, counts, lk = _candidates(regions.holders, st.ranks, width)
     starts = np.cumsum(counts) - counts
-    candidates = np.concatenate(cand_lists) if cand_lists else np.zeros(0, np.int64)
-    lk = np.concatenate(local_keys) if local_keys else np.zeros(0, np.int64)
-    lp = np.concatenate(local_piece) if local_piece else np.zeros(0, np.int64)
+    lp = candidates
     order = np.argsort(lk, kind="stable")
     lk, lp = lk[order], lp[order]
     want = reg_of * width + need_rank[need_of]
     pos = np.minimum(np.searchsorted(lk, want), max(len(lk) - 1, 0))
     is_local = (lk[pos] == want) if len(lk) else np.zeros(len(want), bool)
-    primary = np.array([int(p[0]) for p in need_pieces], np.int64)
+    primary, fan_need, fan_piece = _fan_out(need_pieces)
     kind = np.where(is_local, LOCAL, REMOTE).astype(np.int8)
     source = np.where(is_local, lp[pos] if len(lp) else -1, -1)
     cstart = starts[reg_of]
     ccount = np.where(is_local, 0, counts[reg_of])
-    # fan-out: extra destination pieces of one rank with the same box
-    fan_need = np.array([i for i, p in enumerate(need_pieces) for _ in p[1:]], np.int64)
-    fan_piece = np.array([int(x) for p in need_pieces for x in p[1:]], np.int64)
     n_fan = len(fan_need)
     items = TensorItems(
         np.concatenate([kind, np.full(n_fan, FANOUT, np.int8)]),
@@ -270,6 +257,34 @@ def tensor_items(name: str, st: PieceTable, dt: PieceTable) -> TensorItems:
         candidates,
     )
     return _coalesce(items) if regions.overlapping else items
+
+
+def _candidates(holders: list[np.ndarray], ranks: np.ndarray, width: int
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per region, its holder pieces one per rank (the first piece of each rank, in holder order),
+    all regions at once: (candidate pieces, how many per region, region * width + rank of each)."""
+    if not holders:
+        none = np.zeros(0, np.int64)
+        return none, none, none
+    flat = np.concatenate(holders).astype(np.int64)
+    region = np.repeat(np.arange(len(holders), dtype=np.int64), [len(h) for h in holders])
+    keys = region * width + ranks[flat]
+    _, first = np.unique(keys, return_index=True)
+    first = np.sort(first)  # by region (holders are concatenated region by region), then holder order
+    return flat[first], np.bincount(region[first], minlength=len(holders)).astype(np.int64), keys[first]
+
+
+def _fan_out(need_pieces: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(primary piece of each need, the need and the piece of each extra piece: fan-out copies)."""
+    if not need_pieces:
+        none = np.zeros(0, np.int64)
+        return none, none, none
+    lens = np.array([len(p) for p in need_pieces], np.int64)
+    flat = np.concatenate(need_pieces).astype(np.int64)
+    starts = np.cumsum(lens) - lens
+    extra = np.ones(len(flat), bool)
+    extra[starts] = False
+    return flat[starts], np.repeat(np.arange(len(lens), dtype=np.int64), lens - 1), flat[extra]
 
 
 def _coalesce(items: TensorItems) -> TensorItems:
