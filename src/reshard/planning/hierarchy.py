@@ -48,6 +48,7 @@ from .rank_plan import RankPlan
 from .schedule import ALIGN, Message, aligned, chunk_stream, round_cap
 
 AUTO = "auto"
+DENSE_CODES = 1 << 24  # chunk_pair_bytes sums by a dense array of (chunk, pair) codes up to this many
 SEED_UNITS = 8  # runs of tensors sharing a geometry that may seed a relayed box on different ranks
 
 
@@ -329,8 +330,13 @@ def chunk_pair_bytes(phase: Plan, chunk_of: Mapping[str, int], chunks: int) -> l
     if not codes:
         return out
     code, weight = np.concatenate(codes), np.concatenate(weights).astype(np.float64)
-    keys, inv = np.unique(code, return_inverse=True)
-    sums = np.bincount(inv.reshape(-1), weights=weight)
+    if chunks * w2 <= DENSE_CODES:  # sums by code in input order, as over np.unique's inverse
+        sums = np.bincount(code, weights=weight, minlength=chunks * w2)
+        keys = np.flatnonzero(sums)
+        sums = sums[keys]
+    else:
+        keys, inv = np.unique(code, return_inverse=True)
+        sums = np.bincount(inv.reshape(-1), weights=weight)
     for key, value in zip(keys.tolist(), sums.tolist()):
         if value > 0.5 and (key % w2) // width != key % width:
             out[key // w2][((key % w2) // width, key % width)] = int(round(value))
