@@ -298,7 +298,7 @@ def simulate_case(case: Case, *, max_bucket_bytes: int = 2 * GiB, gather_bucket_
     placement = Placement.contiguous(topo, lay.train_world, lay.infer_world, infer_start="domain")
     pp = None  # FP8: blocks no training rank holds whole are assembled in their training domain first
     if policy is not None:
-        pp = PrecisionPlan(lay.source, lay.destination, policy, assemble=dict(enumerate(
+        pp = PrecisionPlan(lay.source, lay.destination, policy, held=held, assemble=dict(enumerate(
             placement.domain_of[:lay.train_world].tolist())))
     m = RefitModel.build(lay.source, lay.destination, topo, placement=placement, policy=policy, precision=pp)
     if m.hierarchical is None:

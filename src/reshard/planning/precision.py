@@ -175,21 +175,22 @@ class PrecisionPlan:
     blocks no source rank holds whole but one domain's source ranks hold together are first handed to
     one of them (:attr:`assembly`, a local phase run before the source quantization:
     :mod:`reshard.planning.fp8_assembly`), which quantizes them and sends FP8; without it such blocks
-    cross in the source precision.
+    cross in the source precision. ``held``: ``precision_layout(destination, policy)`` when the caller
+    has made it already (not checked).
     """
 
     @without_gc
     def __init__(self, source: Layout, destination: Layout, policy: DtypePolicy | str | None = None, *,
                  max_bucket_bytes: int | None = None, domains: Mapping[int, int] | None = None,
                  wire: WireMaker | None = None, at_source: bool | Callable[[str], bool] = True,
-                 assemble: Mapping[int, int] | None = None) -> None:
+                 assemble: Mapping[int, int] | None = None, held: Layout | None = None) -> None:
         check_pair(source, destination)
         self.policy = as_policy(policy)
         self.source = source
         self.max_bucket_bytes = max_bucket_bytes
         self.domains = None if domains is None else dict(domains)
         self.at_source = at_source if callable(at_source) else (lambda name, value=bool(at_source): value)
-        self.destination = precision_layout(destination, self.policy)
+        self.destination = precision_layout(destination, self.policy) if held is None else held
         self.precisions = layout_precisions(destination, self.policy)
         self.fp8: dict[str, Fp8Tensor] = {}
         self.assemble = None if not assemble else {int(r): int(d) for r, d in assemble.items()}
