@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
-
 from ..frameworks.parallel import ModelLayouts, model_layouts
-from ..layout import Layout, PieceTable, read_only
 from ..models.arch import CATEGORIES, category
-from ..planning.baseline import default_root
+from ..planning.baseline import gather_broadcast_bytes
 from ..planning.plan import Plan, plan
 from ..tensors import dtype_name
 
@@ -62,47 +59,13 @@ def summarize(refit: ModelLayouts, p: Plan, *, baseline: bool = True, precision=
         "train_world": refit.train_world, "infer_world": refit.infer_world,
     }
     if baseline:
-        out["gather_broadcast"] = baseline_bytes(p)
+        out["gather_broadcast"] = gather_broadcast_bytes(p)
     out["precision"] = precision_summary(p, precision)
     if precision is not None:
         w = precision.wire
         out["fp8"] = {"wire_bytes": w.wire_bytes, "max_send": max(w.send_bytes.values(), default=0),
                       "max_recv": max(w.recv_bytes.values(), default=0)}
     return out
-
-
-def full_on_root(p: Plan, root: int) -> Layout:
-    """Every tensor ``p`` moves, whole on ``root``, in a buffer named after it, in the destination's
-    dtype: :func:`~reshard.planning.baseline.gather_layout`'s layout, built as tables directly (one
-    ``Layout.from_placements`` per tensor, each validated, took most of ``reshard plan``'s time)."""
-    specs, tables, buffers = {}, {}, {}
-    shared: dict[tuple[int, ...], tuple] = {}  # tensors of one shape share their arrays (one geometry)
-    ranks = read_only((np.array([root], np.int64),))[0]
-    for name in p.tensors:
-        spec = p.destination.specs[name]
-        t = p.destination.tables[name]
-        dtype = p.destination.buffer_spec(int(t.ranks[0]), t.buffers[0])[1]
-        arrays = shared.get(spec.shape)
-        if arrays is None:
-            zeros = np.zeros((1, len(spec.shape)), np.int64)
-            arrays = shared[spec.shape] = read_only((zeros, np.array([spec.shape], np.int64).reshape(1, -1),
-                                                     zeros.copy()))
-        specs[name] = spec
-        tables[name] = PieceTable(ranks, arrays[0], arrays[1], (name,), arrays[2])
-        buffers[name] = (tuple(spec.shape), dtype)
-    return Layout(specs, tables, {root: buffers}, validate=False)
-
-
-def baseline_bytes(p: Plan, root: int | None = None) -> dict[str, int]:
-    """Logical bytes gather-and-broadcast moves: ``gather`` (to root), ``broadcast`` (root to each
-    destination); the figures of :func:`reshard.planning.baseline.gather_broadcast_bytes`, planned
-    into :func:`full_on_root`."""
-    root = default_root(p) if root is None else root
-    full = full_on_root(p, root)
-    gather = Plan(p.source, full)
-    receivers = [r for r in p.destination.ranks if r != root]
-    whole = sum(full.specs[n].numel * full.buffer_spec(root, n)[1].itemsize for n in p.tensors)
-    return {"gather": gather.wire_bytes, "broadcast": whole * len(receivers)}
 
 
 def render_precision(summary: dict, console) -> None:

@@ -34,8 +34,7 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from ..layout import Layout
-from ..placements import Replicate
+from ..layout import Layout, PieceTable, read_only
 from .plan import Plan
 
 
@@ -45,14 +44,24 @@ def default_root(plan: Plan) -> int:
 
 
 def gather_layout(plan: Plan, root: int) -> Layout:
-    """Full tensors on ``root``, each in a buffer named after it, in the destination's dtype."""
-    layouts = []
+    """Full tensors on ``root``, each in a buffer named after it, in the destination's dtype (built as
+    tables: tensors of one shape share their piece arrays; no layout built and checked per tensor)."""
+    specs, tables, buffers = {}, {}, {}
+    shared: dict[tuple[int, ...], tuple[np.ndarray, ...]] = {}  # per shape: offsets, sizes, buffer offsets
+    ranks = read_only((np.array([root], np.int64),))[0]
     for name in plan.tensors:
         spec = plan.destination.specs[name]
         t = plan.destination.tables[name]
         dtype = plan.destination.buffer_spec(int(t.ranks[0]), t.buffers[0])[1]
-        layouts.append(Layout.from_placements(spec, [root], (1,), [Replicate()], dtype=dtype))
-    return Layout.merge(layouts)
+        arrays = shared.get(spec.shape)
+        if arrays is None:
+            zeros = np.zeros((1, len(spec.shape)), np.int64)
+            arrays = shared[spec.shape] = read_only((zeros, np.array([spec.shape], np.int64).reshape(1, -1),
+                                                     zeros.copy()))
+        specs[name] = spec
+        tables[name] = PieceTable(ranks, arrays[0], arrays[1], (name,), arrays[2])
+        buffers[name] = (tuple(spec.shape), dtype)
+    return Layout(specs, tables, {root: buffers} if buffers else {}, validate=False)
 
 
 def gather_plan(plan: Plan, root: int | None = None) -> Plan:
