@@ -66,11 +66,9 @@ def run_quant_task(task: QuantTask, read: Buffers, write: Buffers) -> None:
 
 
 def staging(plan: PrecisionPlan, rank: int, side: str, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """``rank``'s staging buffers for the quantization (``side``: ``"source"`` (FP8 values and scales),
-    ``"destination"`` (raw blocks), or ``"assembly"``: every assembled box at once; runs allocate those a
-    round at a time, :func:`allocated`)."""
-    named = {"source": plan.source_staging, "destination": plan.destination_staging,
-             "assembly": plan.assembly_staging}[side].get(rank, {})
+    """``rank``'s staging buffers for the quantization (``side``: ``"source"`` (FP8 values and scales) or
+    ``"destination"`` (raw blocks); assembled boxes are allocated a round at a time, :func:`allocated`)."""
+    named = {"source": plan.source_staging, "destination": plan.destination_staging}[side].get(rank, {})
     return allocated(named, device)
 
 
