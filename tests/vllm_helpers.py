@@ -72,6 +72,43 @@ def differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[
             or not torch.equal(a[n].reshape(-1).view(torch.uint8), b[n].reshape(-1).view(torch.uint8))]
 
 
+def greedy(llm, prompts: list[str], max_tokens: int) -> list[tuple[list[int], list[dict[int, float]]]]:
+    """Greedy generations of ``prompts`` (EOS ignored): per prompt, its tokens and each step's top-2
+    logprobs ``{token: logprob}`` (the chosen token's included), for :func:`greedy_mismatch`."""
+    from vllm import SamplingParams
+
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=2),
+                        use_tqdm=False)
+    return [(list(o.outputs[0].token_ids), [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
+            for o in outs]
+
+
+def greedy_mismatch(got, want) -> str | None:
+    """Where two engines' :func:`greedy` generations part, or None. A step where ``want`` has an exact tie
+    between its token and ``got``'s (equal logprobs, as two BF16 logits can round to the same value; the
+    argmax may then break it either way) ends that prompt's comparison: both are the greedy choice, and
+    what follows conditions on different tokens.
+
+    =====  ===================  ======================  ======================
+    step   got token            want token              verdict
+    =====  ===================  ======================  ======================
+    0..6   equal                equal                   compared
+    7      306 (-4.88958)       61 (-4.88958), 306 too  tie: stop, agreed
+    7      306 (-4.9)           61 (-4.8)               mismatch
+    =====  ===================  ======================  ======================
+    """
+    for k, ((tokens, _), (want_tokens, want_steps)) in enumerate(zip(got, want)):
+        for i, (a, b) in enumerate(zip(tokens, want_tokens)):
+            if a == b:
+                continue
+            if want_steps[i].get(a) == want_steps[i][b]:
+                break  # an exact tie broken the other way
+            return f"prompt {k} step {i}: token {a} against {b} (logprobs {want_steps[i]}); {tokens} vs {want_tokens}"
+        if len(tokens) != len(want_tokens):
+            return f"prompt {k}: {len(tokens)} tokens against {len(want_tokens)}"
+    return None
+
+
 def start_engine(path: str, tp: int = 1, **options):
     """A tiny offline engine on the ``reshard`` backend, as the vLLM tests start them (its workers
     bound to cores 0..tp-1)."""
