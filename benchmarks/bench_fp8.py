@@ -18,10 +18,12 @@ replicas, ``tp x dp``). Per repeat, one run of each, in alternating order (the m
             training ranks form one domain (``--domain``: ranks per domain), and a block no rank
             holds whole but the domain's ranks hold together is first handed to one of them
             ("assemble blocks"), which quantizes it and sends FP8; only blocks that span domains
-            still cross in BF16. The assembly runs in rounds under the cap (``--bucket``, the
-            executors' ``max_bucket_bytes``): "asm staging" is the busiest rank's peak of a round
-            (its boxes plus the round's transfer staging, from the run's stats) against its boxes
-            staged all at once (the plan's ``staging_bytes()["assembly"]``, before rounds)
+            still cross in BF16
+
+"peak staging": the busiest rank's measured peak (``RunStats.peak_staging_bytes``: the staging a
+tensor group allocated, plus its transfer's or assembly round's) against what the quantization
+alone staged all at once before tensor groups (the plan's ``staging_bytes()``, source + destination
++ assembly), with the number of tensor groups; the cap is ``--bucket`` (``max_bucket_bytes``).
 
 Times are the slowest rank's wall time of one ``run``, median over repeats; the assemble and
 quantize columns are the slowest rank's time in those RunStats phases (median). Wire MiB excludes
@@ -110,7 +112,7 @@ def _worker(rank: int, world: int, path: str, config: str, layers: int, repeat: 
     steps = (ASSEMBLY_STEP, SOURCE_STEP, DESTINATION_STEP)
     quant = {kind: {step: [] for step in steps} for kind in KINDS[1:]}
     bad: list[str] = []
-    asm_peak = 0  # this rank's peak staging of an assembly round (run stats)
+    peak = {k: 0 for k in KINDS}  # this rank's measured peak staging per path (run stats)
     for i in range(repeat + 1):
         for kind in (KINDS if i % 2 else KINDS[::-1]):  # alternating order: the machine is noisy
             for t in dst[kind].values():
@@ -119,11 +121,11 @@ def _worker(rank: int, world: int, path: str, config: str, layers: int, repeat: 
             t0 = time.perf_counter()
             stats = executors[kind].run(src, dst[kind])
             elapsed = time.perf_counter() - t0
+            peak[kind] = max(peak[kind], stats.peak_staging_bytes)
             if i:  # the first round warms up
                 times[kind].append(elapsed)
                 if kind != "bf16":
                     seconds = {p.name: p.seconds for p in stats.phases}
-                    asm_peak = max([asm_peak] + [p.peak_staging_bytes for p in stats.phases if p.name == ASSEMBLY_STEP])
                     for step in steps:
                         quant[kind][step].append(seconds.get(step, 0.0))
             if rank in lay.destination_ranks:
@@ -137,11 +139,12 @@ def _worker(rank: int, world: int, path: str, config: str, layers: int, repeat: 
         figures[kind] = {"by_path": plans[kind].wire_bytes_by_path(), "bytes": plans[kind].wire_bytes,
                          "assembly": plans[kind].assembly_bytes,
                          "blocks": [sum(p[k] for p in paths) for k in ("source", "assembled", "destination")],
-                         "asm_all": plans[kind].staging_bytes().get("assembly", {}).get(rank, 0),
-                         "asm_peak": asm_peak, "rounds": len(executors[kind].rounds or ())}
+                         "all_at_once": sum(side.get(rank, 0) for side in plans[kind].staging_bytes().values()),
+                         "peak": peak[kind], "groups": len(executors[kind].children) or 1}
     everyone = [None] * world
     dist.all_gather_object(everyone, {"times": times, "quant": quant, "bad": bad,
-                                      "bf16_bytes": plans["bf16"].wire_bytes, "fp8": figures})
+                                      "bf16_bytes": plans["bf16"].wire_bytes, "bf16_peak": peak["bf16"],
+                                      "fp8": figures})
     if rank == 0:
         with open(path, "w") as f:
             json.dump(everyone, f)
@@ -163,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
                          "whole holder; 12 sources cut the 1024-row weights into 86-row pieces, under a block, "
                          "as FSDP over many GPUs does)")
     ap.add_argument("--bucket", type=int, default=32 * MiB,
-                    help="max_bucket_bytes of every plan (default %(default)s): the assembly rounds' cap too")
+                    help="max_bucket_bytes of every plan (default %(default)s): the cap on a rank's staging, "
+                         "tensor groups and assembly rounds included")
     ap.add_argument("--domain", type=int, default=0,
                     help="training ranks per domain for the assembled path (default: all of them, one domain)")
     args = ap.parse_args(argv)
@@ -173,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"assembly, {args.layers}-layer {DEMO_MODEL}, gloo on this CPU, max_bucket_bytes "
                         f"{args.bucket / MiB:g} MiB (measured; median of {args.repeat})")
     cols = ("config", "destination", "wire MiB", "fp8 / scales / raw bf16 / other MiB", "assembly MiB",
-            "asm staging MiB round / all (rounds)", "blocks src / asm / dst", "refit s", "assemble s", "quantize at source s", "quantize at destination s",
+            "peak staging MiB / all at once (groups)", "blocks src / asm / dst", "refit s", "assemble s", "quantize at source s", "quantize at destination s",
             "x bf16 time")
     for col in cols:
         table.add_column(col, justify="left" if col in ("config", "destination") else "right")
@@ -189,14 +193,15 @@ def main(argv: list[str] | None = None) -> int:
         t = {k: _median_of_slowest(ranks, lambda r, k=k: r["times"][k], args.repeat) for k in KINDS}
         r0 = ranks[0]
         table.add_row(config, "BF16", f"{r0['bf16_bytes'] / MiB:.1f}", f"- / - / - / {r0['bf16_bytes'] / MiB:.1f}",
-                      "-", "-", "-", f"{t['bf16']:.3f}", "-", "-", "-", "1.00x")
+                      "-", f"{max(r['bf16_peak'] for r in ranks) / MiB:.2f} / -", "-", f"{t['bf16']:.3f}", "-", "-", "-",
+                      "1.00x")
         for kind, label in (("fp8", "FP8, raw BF16 where no whole holder"), ("fp8 asm", "FP8, blocks assembled")):
             q = {s: _median_of_slowest(ranks, lambda r, s=s, kind=kind: r["quant"][kind][s], args.repeat)
                  for s in (ASSEMBLY_STEP, SOURCE_STEP, DESTINATION_STEP)}
             f = r0["fp8"][kind]
             w = f["by_path"]
-            peak, every = (max(r["fp8"][kind][k] for r in ranks) for k in ("asm_peak", "asm_all"))
-            staged = f"{peak / MiB:.1f} / {every / MiB:.1f} ({f['rounds']})" if f["assembly"] else "-"
+            most, every = (max(r["fp8"][kind][k] for r in ranks) for k in ("peak", "all_at_once"))
+            staged = f"{most / MiB:.2f} / {every / MiB:.2f} ({f['groups']})"
             table.add_row("", label, f"{f['bytes'] / MiB:.1f}",
                           " / ".join(f"{w[k] / MiB:.1f}" for k in ("fp8", "scales", "raw", "other")),
                           f"{f['assembly'] / MiB:.1f}", staged, " / ".join(f"{b:,}" for b in f["blocks"]),

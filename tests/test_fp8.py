@@ -515,6 +515,54 @@ def test_fp8_refit_over_gloo():
     rs.spawn(_gloo_fp8, 5, f"127.0.0.1:{free_port()}")
 
 
+def _gloo_bounded(rank, world, store_addr):
+    """Six 384 x 128 tensors, rows split 2 ways by sources 0-1 (192 each: block rows 0 and 2 whole on one
+    source, row 1 on both, crossing raw), replicated on destinations 2-3. Cap 64 KiB: one tensor a group
+    (16 KiB of FP8 staging on a source, 32 KiB of raw on a destination), where all at once a destination
+    would stage 192 KiB."""
+    from datetime import timedelta
+
+    from reshard.execution import faults
+    from reshard.execution.control import RefitError
+
+    cap = 64 << 10
+    specs = [rs.TensorSpec(f"model.layers.{i}.mlp.down_proj.weight", (384, 128), BF16) for i in range(6)]
+    src = rs.Layout.merge(rs.Layout.from_placements(s, [0, 1], (2,), [rs.Shard(0)]) for s in specs)
+    dst = rs.Layout.merge(rs.Layout.from_placements(s, [2, 3], (2,), [rs.Replicate()]) for s in specs)
+    plan = PrecisionPlan(src, dst, max_bucket_bytes=cap)
+    old = plan.staging_bytes()  # what a rank staged before tensor groups: all of it at once
+    all_at_once = old["source"].get(rank, 0) + old["destination"].get(rank, 0)
+    assert max(old["destination"].values()) == 6 * 128 * 128 * 2 == 3 * cap
+    assert plan.peak_staging_bytes().get(rank, 0) <= cap // 2 < all_at_once, (rank, plan.peak_staging_bytes())
+    g = torch.Generator().manual_seed(7)
+    full = {s.name: torch.randn(s.shape, generator=g).to(BF16) for s in specs}
+    sb = src.materialize(rank, full) if rank in src.ranks else {}
+    db = {k: _sentinel(*v) for k, v in plan.destination.buffers(rank).items()}
+    ex = PrecisionExecutor(plan, timeout=timedelta(seconds=60))
+    assert len(ex.children) == 6 and ex.staging_bytes() <= cap, (rank, ex.staging_bytes())
+    stats = ex.run(sb, db)
+    for k, want in (_expected(plan, rank, full, _sentinel) if rank in dst.ranks else {}).items():
+        assert same_bits(db[k], want), (rank, k)
+    assert [p.name for p in stats.phases] == ["quantize at source", "transfer", "quantize at destination"]
+    # measured: each group's staging as allocated, plus its transfer's peak
+    assert 0 < stats.peak_staging_bytes <= ex.staging_bytes() <= cap, (rank, stats.phases)
+    assert all_at_once >= 2 * cap or rank in src.ranks, (rank, all_at_once)
+    assert stats.sent_bytes == sum(p.send_bytes.get(rank, 0) for p in plan.phases)
+    # a failure in one rank's quantization (the group is broken after it): RefitError on every rank
+    if rank == 3:
+        faults.arm("raise@quantize at destination")
+    with pytest.raises(RefitError, match="quantize at destination"):
+        ex.run(sb, db)
+    faults.arm(None)
+    ex.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_fp8_refit_over_gloo_stages_a_tensor_group_at_a_time():
+    rs.spawn(_gloo_bounded, 4, f"127.0.0.1:{free_port()}")
+
+
 # ---------------------------------------------------------------------------- vLLM
 def check_vllm(family: str, tp: int) -> list[str]:
     """Build vLLM's block-FP8 model (``quantization_config`` fp8, ``weight_block_size`` [128, 128]) on every

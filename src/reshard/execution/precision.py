@@ -24,6 +24,20 @@ every rank's part in one process (tests)::
     ex = PrecisionExecutor(precision_plan(src, dst, "fp8"), group)
     stats = ex.run(src_buffers, engine_buffers)    # phases: quantize at source, transfer, quantize at destination
 
+**Tensor groups.** Under a cap (``max_bucket_bytes`` ``C``) the executor runs the refit in tensor
+groups (:mod:`reshard.planning.tensor_groups`): each group's steps above in turn, its staging
+allocated before them and freed after, so a rank holds at most ``C`` (the group's FP8, scale, raw
+and box staging under ``C // 2``, its wire's transfer under the rest; one tensor over ``C // 2``
+alone goes over by its excess). Of the two designs, groups were chosen over one wire plan with
+lazily allocated buffers: each group is an ordinary refit (its own plan, checks and tasks), so the
+bound needs no hook in the wire executor and holds for any wire method, and groups are built by
+the executor only (plan construction costs what it did). Per rank, six tensors whose raw blocks
+are 32 KiB each on destination 2, cap 64 KiB::
+
+    staging on rank 2      all at once (before)   a group at a time
+    raw blocks             192 KiB                32 KiB
+    + transfer staging     <= 32 KiB              <= 32 KiB
+
 The tasks are the plan's (:meth:`~reshard.planning.precision.PrecisionPlan.quantization`); the
 executor runs them as they are. Fault points (:mod:`reshard.execution.faults`): ``agreement``,
 ``quantize at source``, the wire plan's rounds, ``quantize at destination``.
@@ -110,6 +124,13 @@ def run_local_precision(plan: PrecisionPlan, src_buffers: Mapping[int, Buffers],
     >>> torch.equal(out[4]["up_proj.weight"].view(torch.uint8), q[128:].view(torch.uint8)), torch.equal(out[4]["up_proj.weight_scale_inv"], s[1:])
     (True, True)
     """
+    groups = plan.tensor_groups()
+    for i in range(len(groups)):  # a tensor group at a time, as PrecisionExecutor runs them
+        _run_local_group(groups.plan(i), src_buffers, dst_buffers)
+
+
+def _run_local_group(plan: PrecisionPlan, src_buffers: Mapping[int, Buffers], dst_buffers: Mapping[int, Buffers]
+                     ) -> None:
     empty: dict[str, torch.Tensor] = {}
     msrc, mdst = {}, {}
     for r in sorted(set(plan.source.ranks) | set(plan.source_staging) | set(plan.assembly_staging)):
@@ -145,7 +166,7 @@ class PrecisionExecutor(Executor):
 
     def __init__(self, plan: PrecisionPlan, group: Group | dist.ProcessGroup | None = None, *,
                  timeout: timedelta = DEFAULT_TIMEOUT, overlap: bool = True, checksum: bool = False,
-                 allow_lossy: bool = False, wire: type[Executor] = ReshardExecutor) -> None:
+                 allow_lossy: bool = False, wire: type[Executor] = ReshardExecutor, groups: bool = True) -> None:
         if not isinstance(plan, PrecisionPlan):
             raise TypeError(f"PrecisionExecutor runs a PrecisionPlan (precision_plan(...)), got {type(plan).__name__}")
         if checksum and not wire.checksums:
@@ -157,6 +178,21 @@ class PrecisionExecutor(Executor):
             kwargs["checksum"] = checksum
         if issubclass(wire, ReshardExecutor):
             kwargs["overlap"] = overlap
+        # the refit in tensor groups under the cap (planning.tensor_groups): one child executor per group
+        self.children: list[PrecisionExecutor] = []
+        self._current: PrecisionExecutor | None = None  # the child running now
+        tensor_groups = plan.tensor_groups() if groups else None
+        if tensor_groups is not None and len(tensor_groups) > 1:
+            self.children = [PrecisionExecutor(tensor_groups.plan(i), self.group, timeout=timeout, overlap=overlap,
+                                               checksum=checksum, allow_lossy=allow_lossy, wire=wire, groups=False)
+                             for i in range(len(tensor_groups))]
+            first = self.children[0]
+            self.wire, self.rounds, self.assemblers = first.wire, None, []
+            self.setup_error = self.setup_error or next((c.setup_error for c in self.children if c.setup_error), None)
+            self.source_tasks, self.destination_tasks, self.round_tasks, self.later_tasks = (), (), [], []
+            self.needed_bytes_only, self.bounded_staging = first.needed_bytes_only, first.bounded_staging
+            self.collective_setup = first.collective_setup
+            return
         self.wire = wire(plan.wire, self.group, **kwargs)
         # the assembly phase in rounds under the staging cap (AssemblyRounds), one plain plan each on the group
         self.rounds = AssemblyRounds(plan) if plan.assembly is not None else None
@@ -188,6 +224,8 @@ class PrecisionExecutor(Executor):
     @property
     def where(self) -> str:
         """The step a run is in (for errors)."""
+        if self._current is not None:
+            return self._current.where
         return self._step if self._step is not None else self.wire.where
 
     @where.setter
@@ -197,12 +235,16 @@ class PrecisionExecutor(Executor):
     def assembly_staging_bytes(self) -> int:
         """The most this rank stages in one assembly round: its boxes of the round plus the round's transfer
         staging (at most the plan's ``max_bucket_bytes``: :mod:`reshard.planning.assembly_rounds`)."""
+        if self.children:
+            return max(c.assembly_staging_bytes() for c in self.children)
         return max((a.staging_bytes() + self.rounds.staging_bytes(i).get(self.rank, 0)
                     for i, a in enumerate(self.assemblers)), default=0)
 
     def staging_bytes(self) -> int:
         """Bytes this rank allocates: the wire's staging (or an assembly round's, the larger: one runs after the
-        other) plus the quantization's (FP8 values and scales, raw blocks)."""
+        other) plus the quantization's (FP8 values and scales, raw blocks): the busiest tensor group's."""
+        if self.children:
+            return max(c.staging_bytes() for c in self.children)
         figures = self.plan.staging_bytes()
         wire = self.wire.staging_bytes() if hasattr(self.wire, "staging_bytes") else 0
         return (max(wire, self.assembly_staging_bytes()) + figures["source"].get(self.rank, 0)
@@ -212,15 +254,20 @@ class PrecisionExecutor(Executor):
         """Release the wire executor (its subgroups; local, idempotent)."""
         super().close()
         self.wire.close()
+        for child in self.children:
+            child.close()
         for assembler in self.assemblers:
             assembler.close()
 
     def fail(self, error: RefitError) -> RefitError:
-        return self.wire.fail(error)
+        return (self._current or self).wire.fail(error)
 
     # ------------------------------------------------------------------ checks
     def buffers_used(self) -> tuple[set[str], set[str]]:
         """(source buffers read, destination buffers written) of the caller's, by every step on this rank."""
+        if self.children:
+            used = [c.buffers_used() for c in self.children]
+            return set().union(*(r for r, _ in used)), set().union(*(w for _, w in used))
         own_src = set(self.plan.source_staging.get(self.rank, {})) | set(self.plan.assembly_staging.get(self.rank, {}))
         own_dst = set(self.plan.destination_staging.get(self.rank, {}))
         wire_read, wire_written = self.wire.buffers_used()
@@ -236,6 +283,13 @@ class PrecisionExecutor(Executor):
         buffers with this rank's staging added (allocated here when not given)."""
         if self.setup_error:
             return self.setup_error
+        if self.children:  # each group with its own staging (one group's at a time), then storage across groups
+            for child in self.children:
+                problem = child.check(src, dst)
+                if problem:
+                    return problem
+            read, written = self.buffers_used()
+            return check_storage(self.rank, {n: src[n] for n in sorted(read)}, {n: dst[n] for n in sorted(written)})
         if merged_src is None or merged_dst is None:
             device = device_of(src, dst)
             merged_src = {**src, **staging(self.plan, self.rank, "source", device)}
@@ -261,11 +315,11 @@ class PrecisionExecutor(Executor):
         """Quantize, move and quantize; ``dst_buffers`` (the engine's, FP8 weights and scales included) are
         written in place. Collective over the group. Errors as :meth:`ReshardExecutor.run`'s."""
         self.check_open()
-        self._step, self.touched = "agreement", False
+        self._step, self.touched, self._current = "agreement", False, None
         self.group.check_usable("agreement")
         device = device_of(src_buffers, dst_buffers)
-        src_stage = staging(self.plan, self.rank, "source", device)
-        dst_stage = staging(self.plan, self.rank, "destination", device)
+        src_stage = {} if self.children else staging(self.plan, self.rank, "source", device)
+        dst_stage = {} if self.children else staging(self.plan, self.rank, "destination", device)
         merged_src, merged_dst = {**src_buffers, **src_stage}, {**dst_buffers, **dst_stage}
         error = self.check(src_buffers, dst_buffers, merged_src, merged_dst)
         agree_before_moving(self.group, self.plan.fingerprint(), error, self.options, self.timeout, fail=self.fail)
@@ -284,6 +338,8 @@ class PrecisionExecutor(Executor):
 
     def move(self, src_buffers: Buffers, dst_buffers: Buffers, device: torch.device) -> list[PhaseStats]:
         """Quantize, move and quantize with no check, agreement or decision (for a composite executor)."""
+        if self.children:
+            return self._steps(dst_buffers, src_buffers, dst_buffers, {}, {}, device)
         src_stage = staging(self.plan, self.rank, "source", device)
         dst_stage = staging(self.plan, self.rank, "destination", device)
         return self._steps(dst_buffers, {**src_buffers, **src_stage}, {**dst_buffers, **dst_stage}, src_stage,
@@ -291,7 +347,10 @@ class PrecisionExecutor(Executor):
 
     def _steps(self, dst_buffers: Buffers, merged_src: Buffers, merged_dst: Buffers, src_stage: Buffers,
                dst_stage: Buffers, device: torch.device) -> list[PhaseStats]:
-        """The three steps on buffers with this rank's staging merged in; marks :attr:`touched`."""
+        """The three steps on buffers with this rank's staging merged in (the caller's alone with tensor
+        groups: each group's staging is allocated and freed here); marks :attr:`touched`."""
+        if self.children:
+            return self._groups(merged_src, dst_buffers, device)
         # touched from here on: the other ranks go on into the wire as soon as their own assembly and source
         # steps end, so a source failing in one of its own asks the destinations whether they wrote (the
         # session's ``moved``) instead of declaring that nothing moved while they already count themselves written
@@ -307,7 +366,30 @@ class PrecisionExecutor(Executor):
         phases += self.wire.move(merged_src, merged_dst, device)
         phases.append(self._quantize(DESTINATION_STEP, self.destination_tasks, merged_dst, dst_buffers, dst_stage,
                                      device))
-        return phases
+        # every step runs with the quantization's staging held: each phase's peak counts it
+        held = _nbytes(src_stage) + _nbytes(dst_stage)
+        return [dataclasses.replace(p, peak_staging_bytes=held + (0 if p.name in (SOURCE_STEP, DESTINATION_STEP)
+                                                                  else p.peak_staging_bytes)) for p in phases]
+
+    def _groups(self, src_buffers: Buffers, dst_buffers: Buffers, device: torch.device) -> list[PhaseStats]:
+        """Each tensor group's steps in turn, its staging allocated before them and freed after; one phase
+        per step name (times, bytes, rounds and messages added up, the peak the largest group's)."""
+        self.touched = True
+        merged: dict[str, PhaseStats] = {}
+        for child in self.children:
+            self._current = child
+            src_stage = staging(child.plan, self.rank, "source", device)
+            dst_stage = staging(child.plan, self.rank, "destination", device)
+            for p in child._steps(dst_buffers, {**src_buffers, **src_stage}, {**dst_buffers, **dst_stage}, src_stage,
+                                  dst_stage, device):
+                seen = merged.get(p.name)
+                merged[p.name] = p if seen is None else PhaseStats(
+                    p.name, seen.seconds + p.seconds, seen.sent_bytes + p.sent_bytes, seen.recv_bytes + p.recv_bytes,
+                    seen.local_bytes + p.local_bytes, max(seen.peak_staging_bytes, p.peak_staging_bytes),
+                    seen.rounds + p.rounds, seen.messages + p.messages)
+            del src_stage, dst_stage
+        self._current = None
+        return list(merged.values())
 
     def _assemble(self, merged_src: Buffers, device: torch.device) -> tuple[PhaseStats, tuple[float, int]]:
         """The assembly rounds: each hands over its boxes, then this rank quantizes its own into FP8 staging
@@ -323,7 +405,7 @@ class PrecisionExecutor(Executor):
             merged = {**merged_src, **boxes}
             stats = assembler.move(merged, merged, device)
             moved += stats
-            staged = sum(t.numel() * t.element_size() for t in boxes.values())
+            staged = _nbytes(boxes)
             peak = max(peak, staged + max((p.peak_staging_bytes for p in stats), default=0))
             start = time.perf_counter()
             written += self._run_tasks(SOURCE_STEP, self.round_tasks[i], merged, merged)
@@ -352,8 +434,11 @@ class PrecisionExecutor(Executor):
         faults.hit(step)
         written = self._run_tasks(step, tasks, read, write)
         synchronize(device)
-        staged = sum(t.numel() * t.element_size() for t in stage.values())
-        return PhaseStats(step, time.perf_counter() - start, 0, 0, written, staged, 0, 0)
+        return PhaseStats(step, time.perf_counter() - start, 0, 0, written, _nbytes(stage), 0, 0)
+
+
+def _nbytes(buffers: Mapping[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in buffers.values())
 
 
 __all__ = ["ASSEMBLY_STEP", "DESTINATION_STEP", "PrecisionExecutor", "SOURCE_STEP", "allocated", "assemble_locally",

@@ -15,7 +15,9 @@ How a round shares ``max_bucket_bytes`` (the most staging a rank holds at once),
     the round's transfer staging               C - C // 2 (the round's Plan, max_bucket_bytes)
 
 The FP8 values and scales the assemblers quantize into are source staging (sent by the wire after
-every round), as for blocks a source held whole; they are not part of this cap. A block row larger
+every round), as for blocks a source held whole; the executor bounds them, with the boxes, by
+running the refit in tensor groups (:mod:`reshard.planning.tensor_groups`), whose plans' caps these
+rounds then share. A block row larger
 than ``C // 2`` (128 rows x the columns no rank holds whole: a few MiB for real models, against a
 default cap of 256 MiB) is a round of its own, over its share by its excess: a box is never split.
 Without a cap (``None``) there is one round.

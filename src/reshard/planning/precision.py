@@ -67,6 +67,7 @@ from .hierarchy import hierarchical_plan
 from .plan import PhasedPlan, Plan, check_pair
 from .quantization import QuantTask, RankQuantization, rank_quantization
 from .schedule import Copy
+from .tensor_groups import TensorGroups
 
 PRECISION_PLAN_FORMAT = 1
 SOURCE, DESTINATION, ASSEMBLED = 1, 2, 3  # block_paths codes: where a block is quantized (3: on a source
@@ -187,6 +188,8 @@ class PrecisionPlan:
         check_pair(source, destination)
         self.policy = as_policy(policy)
         self.source = source
+        self.engine_destination = destination  # the destination at the source's precision (tensor groups)
+        self.wire_maker = wire
         self.max_bucket_bytes = max_bucket_bytes
         self.domains = None if domains is None else dict(domains)
         self.at_source = at_source if callable(at_source) else (lambda name, value=bool(at_source): value)
@@ -208,6 +211,14 @@ class PrecisionPlan:
         else:
             self.wire = Plan(wire_source, wire_destination, max_bucket_bytes=max_bucket_bytes)
         self._fingerprint: str | None = None
+        self._groups = None
+
+    def tensor_groups(self):
+        """The refit in tensor groups under the cap (:class:`~reshard.planning.tensor_groups.TensorGroups`,
+        built on the first call: the executor runs a group at a time)."""
+        if self._groups is None:
+            self._groups = TensorGroups(self)
+        return self._groups
 
     def _wire_tensors(self, destination: Layout) -> _WireTensors:
         """Every destination tensor a source holds, as the wire carries it; fills :attr:`fp8`."""
@@ -393,8 +404,10 @@ class PrecisionPlan:
         return out
 
     def staging_bytes(self) -> dict[str, dict[int, int]]:
-        """Staging each rank allocates for the quantization: ``source`` (FP8 values and scales of its
-        whole blocks) and ``destination`` (raw blocks, in the source's precision)."""
+        """Staging each rank needs for the quantization over the whole refit: ``source`` (FP8 values and
+        scales of its whole blocks), ``destination`` (raw blocks, in the source's precision) and
+        ``assembly`` (boxes); the executor holds one tensor group's at a time
+        (:meth:`peak_staging_bytes`)."""
         def total(staging):
             return {rank: sum(int(np.prod(shape)) * dtype.itemsize for shape, dtype in named.values())
                     for rank, named in staging.items()}
@@ -402,6 +415,12 @@ class PrecisionPlan:
         if self.assembly is not None:  # assemblers' staging: the block rows handed to them, source precision
             out["assembly"] = total(self.assembly_staging)
         return out
+
+    def peak_staging_bytes(self) -> dict[int, int]:
+        """The most quantization staging each rank holds at once (FP8 values and scales, raw blocks and
+        boxes of one tensor group: :meth:`tensor_groups`), at most half ``max_bucket_bytes`` but for a
+        tensor over it alone; the group's transfer staging, under the other half, comes on top."""
+        return self.tensor_groups().peak_staging_bytes()
 
     @property
     def assembly_bytes(self) -> int:

@@ -56,7 +56,7 @@ def first_phase_reads(part: RankPlan) -> list[Copy]:
     return [copy for message in part.sends for copy in message.copies] + list(part.local)
 
 
-def _staged_tensor(fp8: Mapping[str, Fp8Tensor], base: str) -> tuple[str, bool] | None:
+def staged_tensor(fp8: Mapping[str, Fp8Tensor], base: str) -> tuple[str, bool] | None:
     """(FP8 tensor, whether scales) of a source staging buffer's base name, or None (not FP8 staging)."""
     if base in fp8:
         return base, False
@@ -73,7 +73,7 @@ def _read_boxes(fp8: Mapping[str, Fp8Tensor], reads: Iterable[Copy]) -> dict[str
     boxes: dict[str, list] = {}
     for copy in reads:
         base, sep, index = copy.src_buffer.rpartition(FP8_STAGING)
-        staged = _staged_tensor(fp8, base) if sep else None
+        staged = staged_tensor(fp8, base) if sep else None
         if staged is None:
             continue
         name, scale = staged
@@ -158,5 +158,5 @@ def rank_quantization(fp8: Mapping[str, Fp8Tensor], source: Layout, destination:
                             tuple(destination_tasks(fp8, destination, rank)))
 
 
-__all__ = ["QuantTask", "RankQuantization", "destination_tasks", "first_phase_reads", "rank_quantization",
+__all__ = ["QuantTask", "RankQuantization", "destination_tasks", "first_phase_reads", "rank_quantization", "staged_tensor",
            "source_tasks"]
