@@ -40,6 +40,60 @@ from .piece_table import BufferDtypes, PieceTable, Repeated, concatenated, read_
 from .placements import Placement, from_torch_placement, local_pieces
 from .tensors import LayoutError, Piece, TensorSpec, box_slices, buffer_view
 
+BufferDescs = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+class RankBuffers(dict):
+    """One rank's buffers ``{name: (shape, dtype)}``, read-only, so that layouts of one side (and
+    ranks with equal buffers) share it instead of copying it; its name -> dtype map is worked out once.
+
+    >>> held = RankBuffers({"w": ((2, 6), torch.float32)})
+    >>> held.dtypes
+    {'w': torch.float32}
+    """
+
+    __slots__ = ("_dtypes",)
+
+    def __init__(self, *args, **kwargs) -> None:
+        dict.__init__(self, *args, **kwargs)
+        self._dtypes: dict[str, torch.dtype] | None = None
+
+    def _read_only(self, *args, **kwargs):
+        raise TypeError("a layout's RankBuffers is shared and read-only: copy it with dict(...)")
+
+    __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = __ior__ = _read_only
+
+    def __reduce__(self):
+        return (RankBuffers, (dict(self),))
+
+    @property
+    def dtypes(self) -> dict[str, torch.dtype]:
+        """``{name: dtype}`` (treat as read-only)."""
+        if self._dtypes is None:
+            self._dtypes = {b: dt for b, (_, dt) in self.items()}
+        return self._dtypes
+
+
+class _BufferCopy(dict):
+    """What :meth:`Layout.buffers` returns: a plain, mutable copy that remembers the shared
+    :class:`RankBuffers` it came from, so a layout built from it unchanged shares that instead."""
+
+    __slots__ = ("origin",)
+
+    def __reduce__(self):
+        return (dict, (dict(self),))
+
+
+def shared_buffers(named: BufferDescs) -> RankBuffers:
+    """``named`` as a :class:`RankBuffers`: itself, the one it was copied from when unchanged, or a copy."""
+    if type(named) is RankBuffers:
+        return named
+    origin = getattr(named, "origin", None)
+    if origin is not None and dict.__eq__(named, origin):
+        return origin
+    return RankBuffers(named)
+
+
 VALIDATE_MAX_PIECES = 100_000
 """``Layout(..., validate=None)`` checks layouts up to this many pieces; bigger ones (whole models at
 cluster scale) come from constructors that are correct by construction (the tests validate each
@@ -60,15 +114,19 @@ class Layout:
         self,
         specs: Mapping[str, TensorSpec],
         tables: Mapping[str, PieceTable],
-        buffers: Mapping[int, Mapping[str, tuple[tuple[int, ...], torch.dtype]]],
+        buffers: Mapping[int, BufferDescs],
         *,
         validate: bool | None = True,
     ) -> None:
         self.specs: dict[str, TensorSpec] = dict(specs)
         self.tables: dict[str, PieceTable] = dict(tables)
-        self._buffers: dict[int, dict[str, tuple[tuple[int, ...], torch.dtype]]] = {
-            int(r): dict(b) for r, b in buffers.items()
-        }
+        shared: dict[int, RankBuffers] = {}  # id of a mapping given for several ranks -> its one copy
+        self._buffers: dict[int, RankBuffers] = {}
+        for r, b in buffers.items():
+            held = shared.get(id(b))
+            if held is None:
+                held = shared[id(b)] = shared_buffers(b)
+            self._buffers[int(r)] = held
         self._by_rank: dict[int, list[tuple[str, int]]] | None = None
         self._dtypes: dict[str, torch.dtype | None] | None = None
         self._uniform_answers: dict[tuple[torch.dtype, int], BufferDtypes] = {}  # shared by tensors alike
@@ -162,7 +220,7 @@ class Layout:
         """One layout holding the tensors of all ``layouts`` (same tensor may appear in several)."""
         specs: dict[str, TensorSpec] = {}
         pieces: dict[str, list[PieceTable]] = defaultdict(list)
-        bufs: dict[int, dict[str, tuple[tuple[int, ...], torch.dtype]]] = defaultdict(dict)
+        parts: dict[int, list[RankBuffers]] = defaultdict(list)
         for lay in layouts:
             for name, spec in lay.specs.items():
                 if name in specs and specs[name] != spec:
@@ -170,11 +228,14 @@ class Layout:
                 specs[name] = spec
                 pieces[name].append(lay.tables[name])
             for r, named in lay._buffers.items():
-                for b, desc in named.items():
-                    if b in bufs[r] and bufs[r][b] != desc:
-                        raise LayoutError(f"rank {r} buffer {b!r}: layouts disagree on shape/dtype "
-                                          f"({bufs[r][b]} vs {desc})")
-                    bufs[r][b] = desc
+                parts[r].append(named)
+        merged: dict[tuple[int, ...], RankBuffers] = {}  # ranks with the same parts share the result
+        bufs: dict[int, RankBuffers] = {}
+        for r, held in parts.items():
+            key = tuple(id(named) for named in held)
+            if key not in merged:
+                merged[key] = held[0] if len(set(key)) == 1 else _merged_buffers(r, held)
+            bufs[r] = merged[key]
         tables = {name: tabs[0] if len(tabs) == 1 else concatenated(tabs, len(specs[name].shape))
                   for name, tabs in pieces.items()}
         return Layout(specs, tables, bufs)
@@ -245,8 +306,18 @@ class Layout:
             yield from self.pieces(r)
 
     def buffers(self, rank: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """``{buffer_name: (shape, dtype)}`` of ``rank``."""
-        return dict(self._buffers.get(int(rank), {}))
+        """``{buffer_name: (shape, dtype)}`` of ``rank`` (a copy the caller may change)."""
+        held = self._buffers.get(int(rank))
+        if held is None:
+            return {}
+        out = _BufferCopy(held)
+        out.origin = held
+        return out
+
+    def buffer_map(self, rank: int) -> RankBuffers:
+        """``rank``'s buffers as the read-only mapping the layout holds (shared, not copied: for
+        building other layouts of the same side)."""
+        return self._buffers.get(int(rank), _NO_BUFFERS)
 
     def buffer_spec(self, rank: int, name: str) -> tuple[tuple[int, ...], torch.dtype]:
         """``(shape, dtype)`` of one buffer of one rank."""
@@ -258,9 +329,10 @@ class Layout:
     def _dtype_by_name(self) -> dict[str, torch.dtype | None]:
         """Each buffer name's dtype when every rank agrees on it, else ``None``."""
         if self._dtypes is None:
-            seen: dict[str, torch.dtype | None] = {}
-            for named in self._buffers.values():
-                for b, (_, dt) in named.items():
+            maps = list({id(named): named.dtypes for named in self._buffers.values()}.values())
+            seen: dict[str, torch.dtype | None] = dict(maps[0]) if maps else {}
+            for more in maps[1:]:
+                for b, dt in more.items():
                     seen[b] = dt if seen.get(b, dt) == dt else None
             self._dtypes = seen
         return self._dtypes
@@ -343,4 +415,19 @@ class Layout:
         check_layout(self.specs, self.tables, self._buffers)
 
 
-__all__ = ["BufferDtypes", "Layout", "PieceTable", "Repeated", "VALIDATE_MAX_PIECES", "read_only"]
+_NO_BUFFERS = RankBuffers()
+
+
+def _merged_buffers(rank: int, parts: list[RankBuffers]) -> RankBuffers:
+    """One rank's buffers from several layouts' (a buffer listed twice must agree)."""
+    out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for named in parts:
+        for b, desc in named.items():
+            if b in out and out[b] != desc:
+                raise LayoutError(f"rank {rank} buffer {b!r}: layouts disagree on shape/dtype ({out[b]} vs {desc})")
+            out[b] = desc
+    return RankBuffers(out)
+
+
+__all__ = ["BufferDtypes", "Layout", "PieceTable", "RankBuffers", "Repeated", "VALIDATE_MAX_PIECES", "read_only",
+           "shared_buffers"]

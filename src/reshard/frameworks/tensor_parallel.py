@@ -33,7 +33,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from ..gc_pause import without_gc
-from ..layout import Layout, PieceTable, read_only
+from ..layout import Layout, PieceTable, RankBuffers, read_only
 from ..models.arch import Arch, model_specs
 from ..placements import Placement, Replicate, Shard, check_ranks, check_sizes
 from ..tensors import LayoutError, TensorSpec
@@ -84,9 +84,10 @@ def dtensor_layout(specs: Sequence[TensorSpec], ranks: Sequence[int],
     after its tensor, with dtype ``dtype`` (default the tensor's). Tensors with equal shapes and
     placements share one piece table's arrays."""
     ranks = [int(r) for r in ranks]
-    templates: dict[tuple, tuple[PieceTable, dict[int, tuple[int, ...]]]] = {}
+    templates: dict[tuple, tuple[PieceTable, int]] = {}  # -> (its table, its index in shapes)
+    shapes: list[list[tuple[int, ...]]] = []  # per template: the buffer's shape on each rank, in ranks order
     tables: dict[str, PieceTable] = {}
-    buffers: dict[int, dict[str, tuple[tuple[int, ...], torch.dtype]]] = {r: {} for r in ranks}
+    entries: list[tuple[str, int, torch.dtype]] = []  # per tensor: buffer name, template, dtype
     by_name: dict[str, TensorSpec] = {}
     for spec in specs:
         if spec.name in by_name:
@@ -100,13 +101,27 @@ def dtensor_layout(specs: Sequence[TensorSpec], ranks: Sequence[int],
             lay = Layout.from_placements(probe, ranks, mesh, placements, split)
             t = lay.tables["_"]
             read_only((t.ranks, t.offsets, t.sizes, t.buffer_offsets))
-            tpl = templates[key] = (t, {r: lay.buffers(r)["_"][0] for r in ranks})
-        t, shapes = tpl
+            tpl = templates[key] = (t, len(shapes))
+            shapes.append([lay.buffer_map(r)["_"][0] for r in ranks])
+        t, k = tpl
         tables[spec.name] = PieceTable(t.ranks, t.offsets, t.sizes, (spec.name,) * len(t), t.buffer_offsets)
-        bdtype = dtype or spec.dtype
-        for r in ranks:
-            buffers[r][spec.name] = (shapes[r], bdtype)
-    return Layout(by_name, tables, buffers, validate=validate)
+        entries.append((spec.name, k, dtype or spec.dtype))
+    return Layout(by_name, tables, _rank_buffers(ranks, shapes, entries), validate=validate)
+
+
+def _rank_buffers(ranks: list[int], shapes: list[list[tuple[int, ...]]],
+                  entries: list[tuple[str, int, torch.dtype]]) -> dict[int, RankBuffers]:
+    """Every rank's buffers, one :class:`RankBuffers` shared by the ranks whose buffers have the same
+    shapes (every tensor's buffer on every rank, its shape from its template)."""
+    by_shapes: dict[tuple, RankBuffers] = {}
+    out = {}
+    for i, r in enumerate(ranks):
+        key = tuple(per_rank[i] for per_rank in shapes)
+        held = by_shapes.get(key)
+        if held is None:
+            held = by_shapes[key] = RankBuffers({name: (key[k], dt) for name, k, dt in entries})
+        out[r] = held
+    return out
 
 
 def check_tp(arch: Arch, tp: int) -> None:

@@ -41,7 +41,7 @@ from typing import Mapping
 
 import numpy as np
 
-from ..layout import Layout
+from ..layout import Layout, RankBuffers
 from .baseline import GatherBroadcastPlan, gather_broadcast_bytes
 from .hierarchy import HierarchicalPlan, hierarchical_plan
 from .plan import Plan, check_pair
@@ -158,26 +158,30 @@ def tensor_subset(layout: Layout, names) -> Layout:
             member[r].append(k)
     groups = [set(bufs) for _, bufs in by_ranks.values()]
     sorted_names: dict[tuple[int, ...], list[str]] = {}  # ranks in the same groups hold the same buffers
+    picked: dict[tuple, RankBuffers] = {}  # (rank's shared buffers, groups) -> the part kept, shared too
     buffers = {}
     for r in ranks:
         key = tuple(member[r])
         if r in own:
-            bufs = sorted(own[r].union(*(groups[k] for k in key)))
-        else:
+            buffers[r] = _buffer_specs(layout, r, sorted(own[r].union(*(groups[k] for k in key))))
+            continue
+        hit = picked.get((id(layout.buffer_map(r)), key))
+        if hit is None:
             bufs = sorted_names.get(key)
             if bufs is None:
                 bufs = sorted_names[key] = sorted(set().union(*(groups[k] for k in key)))
-        buffers[r] = _buffer_specs(layout, r, bufs)
+            hit = picked[(id(layout.buffer_map(r)), key)] = _buffer_specs(layout, r, bufs)
+        buffers[r] = hit
     return Layout({n: layout.specs[n] for n in keep}, tables, buffers, validate=False)
 
 
 def _buffer_specs(layout: Layout, rank: int, names: list[str]) -> dict:
-    """``{name: (shape, dtype)}`` of ``rank``'s buffers ``names`` (one copy of its buffers, not one look-up each)."""
-    held = layout.buffers(rank)
+    """``{name: (shape, dtype)}`` of ``rank``'s buffers ``names``."""
+    held = layout.buffer_map(rank)
     try:
-        return dict(zip(names, map(held.__getitem__, names)))
+        return RankBuffers(zip(names, map(held.__getitem__, names)))
     except KeyError:  # a buffer the rank lacks: buffer_spec names it
-        return {b: held[b] if b in held else layout.buffer_spec(rank, b) for b in names}
+        return RankBuffers({b: held[b] if b in held else layout.buffer_spec(rank, b) for b in names})
 
 
 def split_layout(layout: Layout, rule: Callable[[str], bool] | None = None) -> tuple[Layout, Layout]:
