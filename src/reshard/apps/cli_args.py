@@ -351,7 +351,7 @@ def simulate_parser(sub) -> argparse.ArgumentParser:
             "as not fitting. The Kimi-K2 rows refit FSDP2 BF16 training into FP8 engines, as published "
             "(--precision sets every row's destination precision). Pure computation: no process group, no GPU. "
             "The biggest case (a 2.4 T-parameter "
-            "MoE on 1024 + 1024 GPUs) takes about 100 s here, every case about 7 min."),
+            "MoE on 1024 + 1024 GPUs) takes about 100 s here, every case about 5 min (320 s measured inside tools/dump_behaviour.py, under load)."),
     )
     parser.add_argument("--cases", default=",".join(c.key for c in CASES),
                    help="comma-separated, from: " + ", ".join(c.key for c in CASES) + " (default: all)")
