@@ -74,24 +74,9 @@ class RankBuffers(dict):
         return self._dtypes
 
 
-class _BufferCopy(dict):
-    """What :meth:`Layout.buffers` returns: a plain, mutable copy that remembers the shared
-    :class:`RankBuffers` it came from, so a layout built from it unchanged shares that instead."""
-
-    __slots__ = ("origin",)
-
-    def __reduce__(self):
-        return (dict, (dict(self),))
-
-
 def shared_buffers(named: BufferDescs) -> RankBuffers:
-    """``named`` as a :class:`RankBuffers`: itself, the one it was copied from when unchanged, or a copy."""
-    if type(named) is RankBuffers:
-        return named
-    origin = getattr(named, "origin", None)
-    if origin is not None and dict.__eq__(named, origin):
-        return origin
-    return RankBuffers(named)
+    """``named`` as a :class:`RankBuffers`: itself, or a copy."""
+    return named if type(named) is RankBuffers else RankBuffers(named)
 
 
 VALIDATE_MAX_PIECES = 100_000
@@ -306,13 +291,9 @@ class Layout:
             yield from self.pieces(r)
 
     def buffers(self, rank: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """``{buffer_name: (shape, dtype)}`` of ``rank`` (a copy the caller may change)."""
-        held = self._buffers.get(int(rank))
-        if held is None:
-            return {}
-        out = _BufferCopy(held)
-        out.origin = held
-        return out
+        """``{buffer_name: (shape, dtype)}`` of ``rank`` (a copy the caller may change; :meth:`buffer_map`
+        to build other layouts of the same side)."""
+        return dict(self._buffers.get(int(rank), {}))
 
     def buffer_map(self, rank: int) -> RankBuffers:
         """``rank``'s buffers as the read-only mapping the layout holds (shared, not copied: for

@@ -118,7 +118,7 @@ class AssemblyRounds:
             if rows:
                 specs[name], src_tables[name] = assembly.destination.specs[name], assembly.source.tables[name]
                 dst_tables[name] = _rows(table, rows)
-        source = Layout(specs, src_tables, {r: assembly.source.buffers(r) for r in assembly.source.ranks},
+        source = Layout(specs, src_tables, {r: assembly.source.buffer_map(r) for r in assembly.source.ranks},
                         validate=None)
         destination = Layout(specs, dst_tables, {r: dict(named) for r, named in mine.items()}, validate=None)
         return Plan(source, destination, max_bucket_bytes=self.transfer_cap, domains=domains)

@@ -174,13 +174,17 @@ def _engine_buffers_of_rank(rank: int, named: BufferDescs, by_buffer: Mapping[st
 def _engine_buffers(destination: Layout, by_buffer: Mapping[str, Precision]) -> dict[int, BufferDescs]:
     """Every rank's buffers under the policy (ranks with equal buffers share the result)."""
     buffers: dict[int, BufferDescs] = {}
-    converted: dict[tuple, BufferDescs] = {}
+    by_id: dict[int, BufferDescs] = {}  # a rank's shared mapping (by id) -> its conversion
+    converted: dict[tuple, BufferDescs] = {}  # equal mappings held apart share one conversion too
     for rank in destination.ranks:
-        named = destination.buffers(rank)
-        key = tuple(named.items())
-        hit = converted.get(key)
+        named = destination.buffer_map(rank)
+        hit = by_id.get(id(named))
         if hit is None:
-            hit = converted[key] = _engine_buffers_of_rank(rank, named, by_buffer)
+            key = tuple(named.items())
+            hit = converted.get(key)
+            if hit is None:
+                hit = converted[key] = _engine_buffers_of_rank(rank, named, by_buffer)
+            by_id[id(named)] = hit
         buffers[rank] = hit
     return buffers
 

@@ -335,8 +335,13 @@ class Plan:
                     digest.update("\0".join(table.buffers).encode())
                     digest.update(table.buffer_offsets.tobytes())
         for layout in (self.source, self.destination):
+            texts: dict[int, bytes] = {}  # id of a shared mapping -> its text (ranks alike share one)
             for rank in layout.ranks:
-                digest.update(repr(sorted(layout.buffers(rank).items())).encode())
+                held = layout.buffer_map(rank)
+                text = texts.get(id(held))
+                if text is None:
+                    text = texts[id(held)] = repr(sorted(held.items())).encode()
+                digest.update(text)
         return digest.hexdigest()[:16]
 
     # ------------------------------------------------------------------ one rank

@@ -294,7 +294,7 @@ class PrecisionPlan:
                                                np.zeros_like(boxes.offsets))
         if not specs:
             return None
-        source = Layout(specs, src_tables, {rank: self.source.buffers(rank) for rank in self.source.ranks},
+        source = Layout(specs, src_tables, {rank: self.source.buffer_map(rank) for rank in self.source.ranks},
                         validate=None)
         destination = Layout(specs, dst_tables, {rank: dict(named) for rank, named in self.assembly_staging.items()},
                              validate=None)
@@ -479,9 +479,10 @@ def _uniform(layout: Layout, name: str) -> torch.dtype:
     return dtype if dtype is not None else layout.specs[name].dtype
 
 
-def _with(layout: Layout, staging: Mapping[int, Mapping]) -> dict[int, dict]:
-    """``layout``'s buffers plus ``staging`` (``{rank: {name: (shape, dtype)}}``)."""
-    out = {rank: layout.buffers(rank) for rank in layout.ranks}
+def _with(layout: Layout, staging: Mapping[int, Mapping]) -> dict[int, Mapping]:
+    """``layout``'s buffers plus ``staging`` (``{rank: {name: (shape, dtype)}}``; the ranks without staging
+    keep the shared mappings)."""
+    out: dict[int, Mapping] = {rank: layout.buffer_map(rank) for rank in layout.ranks}
     for rank, named in staging.items():
         out[rank] = {**out.get(rank, {}), **named}
     return out

@@ -55,7 +55,7 @@ _PLANS = object()  # TensorGroups' default cap: the plan's max_bucket_bytes
 def _restricted(layout: Layout, names) -> Layout:
     """``layout`` with only the tensors ``names`` (every rank's buffers kept)."""
     return Layout({n: layout.specs[n] for n in names}, {n: layout.tables[n] for n in names},
-                  {r: layout.buffers(r) for r in layout.ranks}, validate=False)
+                  {r: layout.buffer_map(r) for r in layout.ranks}, validate=False)
 
 
 def tensor_staging(plan) -> dict[str, dict[int, int]]:
