@@ -372,8 +372,9 @@ def ray_cluster(path: str, *, trainers: int, tp: int, lr: float, seed: int, time
                 log: str | None = None, engines: int = 1) -> Iterator[Cluster]:
     """Trainer ranks and the engine as Ray actors: one placement group of one bundle per trainer rank
     (packed), one for the engine (its workers' cores). A Ray runtime is started here and shut down
-    after (logical CPUs: one per trainer rank and per engine worker); the actors' output stays in
-    Ray's session logs (``log`` is not used). One engine only (several: :func:`local_cluster`)."""
+    after (logical CPUs: one per trainer rank and per engine worker; workers at normal priority); the
+    actors' output stays in Ray's session logs (``log`` is not used). One engine only (several:
+    :func:`local_cluster`)."""
     if engines != 1:
         raise ValueError(f"{engines} engines: the Ray cluster runs one engine; several run as local actors")
     import ray
@@ -386,8 +387,11 @@ def ray_cluster(path: str, *, trainers: int, tp: int, lr: float, seed: int, time
     cluster = Cluster([], None, "127.0.0.1")
     started = not ray.is_initialized()
     if started:
+        # worker_niceness 0: Ray starts its workers at nice 15 by default, so anything else busy on the
+        # machine starves the actors (an engine's start took over 300 s beside two busy cores)
         ray.init(num_cpus=trainers + tp, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
-                 configure_logging=False, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+                 configure_logging=False, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}},
+                 _system_config={"worker_niceness": 0})
     groups, handles = [], []
     try:
         train_pg = placement_group([{"CPU": 1}] * trainers, strategy="PACK", name="rl-trainers")
