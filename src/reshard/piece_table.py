@@ -94,11 +94,13 @@ class PieceTable:
     _geometry: bytes | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
-        return len(self.buffers)
+        return len(self.ranks)
 
     def one_buffer(self) -> str | None:
         """The buffer name every piece lives in, if they all share one."""
         b = self.buffers
+        if type(b) is Repeated:
+            return b.name if b.n else None
         return b[0] if b and b.count(b[0]) == len(b) else None
 
     def box_copies(self, cache: dict | None = None) -> tuple[np.ndarray, np.ndarray]:

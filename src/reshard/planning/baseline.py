@@ -245,7 +245,8 @@ def _sends(source: Layout, destination: Layout, tensors, root_of) -> tuple[list[
     for name in tensors:
         root = root_of(name)
         spec = destination.specs[name]
-        isz = int(destination.buffer_dtypes(name).itemsizes[0])
+        found = destination.buffer_dtypes(name)
+        isz = found.itemsize if found.itemsize is not None else int(found.itemsizes[0])
         t = source.tables[name]
         key = (t.geometry_key(), isz, root)
         got = cache.get(key)

@@ -432,11 +432,20 @@ def _rows_of(t: PieceTable, rows: np.ndarray) -> tuple[np.ndarray, ...]:
     return read_only((t.ranks[rows], t.offsets[rows], t.sizes[rows]))
 
 
-def _subset(t: PieceTable, rows: np.ndarray, shared: tuple[np.ndarray, ...]) -> PieceTable:
-    """``t`` restricted to ``rows`` (whose ranks/offsets/sizes are ``shared``)."""
+def _subset(t: PieceTable, rows: np.ndarray, shared: tuple[np.ndarray, ...], cache: dict | None = None
+            ) -> PieceTable:
+    """``t`` restricted to ``rows`` (whose ranks/offsets/sizes are ``shared``); ``cache``: a dict kept
+    over one split, so that tables sharing buffer offsets share the restricted ones too (by identity:
+    every array stays alive while the split runs)."""
     b = t.one_buffer()
     names = Repeated(b, len(rows)) if b is not None else tuple(t.buffers[r] for r in rows.tolist())
-    return PieceTable(*shared, names, t.buffer_offsets[rows])
+    if cache is None:
+        return PieceTable(*shared, names, t.buffer_offsets[rows])
+    key = (id(t.buffer_offsets), id(rows))
+    boffs = cache.get(key)
+    if boffs is None:
+        boffs = cache[key] = read_only((t.buffer_offsets[rows],))[0]
+    return PieceTable(*shared, names, boffs)
 
 
 def split_receivers(destination: Layout, domains: Mapping[int, int]) -> tuple[Layout, Layout]:
@@ -483,6 +492,7 @@ def split_receivers(destination: Layout, domains: Mapping[int, int]) -> tuple[La
         dealt[(gi, ci)] = [members[x] for x in order]
     rec_tables: dict[str, PieceTable] = {}
     rest_tables: dict[str, PieceTable] = {}
+    offsets_of: dict = {}  # restricted buffer offsets, shared by tables alike
     for gi, (names, t, single, clusters) in enumerate(geoms):
         cache: dict[tuple[int, ...], tuple] = {}
         for i, name in enumerate(names):
@@ -494,9 +504,39 @@ def split_receivers(destination: Layout, domains: Mapping[int, int]) -> tuple[La
                 kr, rr = np.flatnonzero(keep), np.flatnonzero(~keep)
                 hit = cache[chosen] = (kr, _rows_of(t, kr), rr, _rows_of(t, rr))
             own = destination.tables[name]
-            rec_tables[name] = _subset(own, hit[0], hit[1])
-            rest_tables[name] = _subset(own, hit[2], hit[3])
+            rec_tables[name] = _subset(own, hit[0], hit[1], offsets_of)
+            rest_tables[name] = _subset(own, hit[2], hit[3], offsets_of)
     return _with_tables(destination, rec_tables), _with_tables(destination, rest_tables)
+
+
+def _cut_rows(t: PieceTable, nbytes: np.ndarray, split_bytes: int, replicas: int) -> tuple[np.ndarray, ...]:
+    """(source row of each part, ranks, offsets, sizes, buffer offsets) of ``t`` with each piece of at
+    least ``split_bytes`` (``nbytes`` per piece) cut along its first dim of size >= 2 into
+    ``min(replicas, that size)`` parts (tensors alike share them: buffer offsets read-only, the
+    others copied per tensor)."""
+    rows = []
+    for i in range(len(t)):
+        if nbytes[i] < split_bytes:
+            rows.append((i, None, 0, 0))
+            continue
+        dims = np.flatnonzero(t.sizes[i] >= 2)
+        if not len(dims):
+            rows.append((i, None, 0, 0))
+            continue
+        d = int(dims[0])
+        n = int(t.sizes[i, d])
+        k = min(replicas, n)
+        edges = [n * j // k for j in range(k + 1)]
+        rows.extend((i, d, a, b - a) for a, b in zip(edges[:-1], edges[1:]))
+    idx = np.array([r[0] for r in rows], np.int64)
+    offsets, sizes, boffs = t.offsets[idx].copy(), t.sizes[idx].copy(), t.buffer_offsets[idx].copy()
+    lead = t.buffer_offsets.shape[1] - t.offsets.shape[1]
+    for j, (_, d, a, size) in enumerate(rows):
+        if d is not None:
+            offsets[j, d] += a
+            sizes[j, d] = size
+            boffs[j, lead + d] += a
+    return (idx, t.ranks[idx], offsets, sizes) + read_only((boffs,))
 
 
 def split_across_replicas(receivers: Layout, source: Layout, split_bytes: int) -> Layout:
@@ -505,6 +545,7 @@ def split_across_replicas(receivers: Layout, source: Layout, split_bytes: int) -
     from another replica)."""
     tables = dict(receivers.tables)
     copies: dict = {}  # source tables with the same boxes hold as many copies
+    cuts: dict = {}  # tables of the same arrays (shared by the receivers' split) are cut alike
     for name, t in receivers.tables.items():
         if not len(t):
             continue
@@ -512,33 +553,20 @@ def split_across_replicas(receivers: Layout, source: Layout, split_bytes: int) -
         replicas = _source_copies(st, copies)
         if replicas < 2:
             continue
-        nbytes = t.sizes.prod(axis=1) * itemsize(receivers.specs[name].dtype)
+        isz = itemsize(receivers.specs[name].dtype)
+        nbytes = t.sizes.prod(axis=1) * isz
         big = np.flatnonzero(nbytes >= split_bytes)
         if not len(big):
             continue
-        rows = []
-        for i in range(len(t)):
-            if nbytes[i] < split_bytes:
-                rows.append((i, None, 0, 0))
-                continue
-            dims = np.flatnonzero(t.sizes[i] >= 2)
-            if not len(dims):
-                rows.append((i, None, 0, 0))
-                continue
-            d = int(dims[0])
-            n = int(t.sizes[i, d])
-            k = min(replicas, n)
-            edges = [n * j // k for j in range(k + 1)]
-            rows.extend((i, d, a, b - a) for a, b in zip(edges[:-1], edges[1:]))
-        idx = np.array([r[0] for r in rows], np.int64)
-        offsets, sizes, boffs = t.offsets[idx].copy(), t.sizes[idx].copy(), t.buffer_offsets[idx].copy()
-        lead = t.buffer_offsets.shape[1] - t.offsets.shape[1]
-        for j, (_, d, a, size) in enumerate(rows):
-            if d is not None:
-                offsets[j, d] += a
-                sizes[j, d] = size
-                boffs[j, lead + d] += a
-        tables[name] = PieceTable(t.ranks[idx], offsets, sizes, tuple(t.buffers[i] for i in idx.tolist()), boffs)
+        key = (id(t.ranks), id(t.offsets), id(t.sizes), id(t.buffer_offsets), replicas, isz)
+        cut = cuts.get(key)
+        if cut is None:  # every table stays alive while this runs: ids are unique
+            cut = cuts[key] = _cut_rows(t, nbytes, split_bytes, replicas)
+        idx, ranks, offsets, sizes, boffs = cut
+        b = t.one_buffer()
+        names = Repeated(b, len(idx)) if b is not None else tuple(t.buffers[i] for i in idx.tolist())
+        # each tensor its own geometry arrays, as before: the relay split groups tensors by their identity
+        tables[name] = PieceTable(ranks.copy(), offsets.copy(), sizes.copy(), names, boffs)
     return _with_tables(receivers, tables)
 
 
@@ -644,6 +672,7 @@ def split_relays(receivers: Layout, source: Layout, domains: Mapping[int, int]) 
     seeds: dict[str, PieceTable] = {}
     relayed: dict[str, PieceTable] = {}
     empty = np.zeros(0, np.int64)
+    offsets_of: dict = {}  # restricted buffer offsets, shared by tables alike
     for names, t, boxes, dealt in found:
         if not boxes:
             for name in names:
@@ -663,8 +692,8 @@ def split_relays(receivers: Layout, source: Layout, domains: Mapping[int, int]) 
             cut.append((kr, _rows_of(t, kr), rr, _rows_of(t, rr)))
         for name, w in zip(names, which.tolist()):
             own = receivers.tables[name]
-            seeds[name] = _subset(own, cut[w][0], cut[w][1])
-            relayed[name] = _subset(own, cut[w][2], cut[w][3])
+            seeds[name] = _subset(own, cut[w][0], cut[w][1], offsets_of)
+            relayed[name] = _subset(own, cut[w][2], cut[w][3], offsets_of)
     if all(not len(t) for t in relayed.values()):
         return receivers, None
     for name, t in receivers.tables.items():  # in the receivers' order; tensors with no source piece as they are
