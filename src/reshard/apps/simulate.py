@@ -81,6 +81,14 @@ class Case:
 PRECISIONS = ("bf16", "fp8")
 KIMI = "Kimi-K2 checkpoint engine"
 KIMI_PUBLISHED = "1.3 s (point-to-point RDMA design)"
+MOE_2048_PUBLISHED = "modeled, not published (the 4.3 s 2.4 T refit is a smaller arrangement)"
+MOE_2048_SOURCE = "issue 22: the 2.4 T MoE into 2,048 inference GPUs"
+MOE_2048_DIFFERS = (
+    "no published setup: modeled only. Two expert-parallel deployments of 1024 GPUs each "
+    "(tp8,dp128,ep,deployments2), each holding the whole model with one expert per GPU: one deployment of 2048 "
+    "would give vLLM an EP size of 2048 over 1024 experts, and its expert map then leaves half the GPUs without "
+    "a routed expert. Training stays on 1024 GPUs (tp1,ep64,pp16, as moe2.4t-h100), so the refit sends every "
+    "expert to two GPUs. NVIDIA's 4.3 s (refit only) is for a different, smaller arrangement, not this one")
 
 
 CASES = (
@@ -116,6 +124,10 @@ CASES = (
     Case("moe2.4t-h100", "moe-2.4t", "tp1,ep64,pp16", "tp8,dp128,ep", "dgx-h100",
          "4.3 s (refit only, 2.4 T BF16 MoE)", (4.3,), "reported 2.4 T-parameter MoE refit",
          "engine arrangement not stated in our source: one deployment (128 TP8 engines cannot hold 4.8 TB)"),
+    Case("moe2.4t-2048-h100", "moe-2.4t", "tp1,ep64,pp16", "tp8,dp128,ep,deployments2", "dgx-h100",
+         MOE_2048_PUBLISHED, (), MOE_2048_SOURCE, MOE_2048_DIFFERS),
+    Case("moe2.4t-2048-gb200", "moe-2.4t", "tp1,ep64,pp16", "tp8,dp128,ep,deployments2", "gb200-nvl72",
+         MOE_2048_PUBLISHED, (), MOE_2048_SOURCE, MOE_2048_DIFFERS),
 )
 CLAIM = (2.7, 5.7)  # published speedup of reshard over gather-and-broadcast
 METHODS = ("hierarchical", "direct", "hybrid", "gather_broadcast", "gather_broadcast_naive")

@@ -10,6 +10,8 @@ Configurations are written the way papers and launch scripts say them::
     InferParallel.parse("tp8,dp16")              vLLM (the default): 16 engines of 8 ranks, one
                                                  deployment with data_parallel_size=16
     InferParallel.parse("tp8,dp16,ep")           ... with expert parallelism
+    InferParallel.parse("tp8,dp128,ep,deployments2")  two such deployments side by side, each
+                                                 of its own 1024 ranks holding the whole model
     InferParallel.parse("dtensor:tp2,dp2")       torch DTensor tensor parallelism, 2 replicas
 
 >>> t = TrainParallel.parse("tp1,ep16,pp4,dp2")
@@ -37,6 +39,7 @@ import torch
 
 from ..layout import Layout
 from ..models.arch import Arch, get_arch, model_specs
+from ..piece_table import concatenated
 from ..placements import check_sizes
 from ..tensors import LayoutError, TensorSpec
 from .fsdp import fsdp_layout
@@ -45,7 +48,7 @@ from .tensor_parallel import tensor_parallel_layout
 from .vllm import vllm_layout
 
 TRAIN_KEYS = {"megatron": ("tp", "cp", "ep", "etp", "pp", "dp"), "fsdp": ("dp", "tp", "hsdp")}
-INFER_KEYS = {"vllm": ("tp", "dp", "ep", "independent"), "dtensor": ("tp", "dp")}
+INFER_KEYS = {"vllm": ("tp", "dp", "ep", "independent", "deployments"), "dtensor": ("tp", "dp")}
 # inference keys written without a size: vLLM's enable_expert_parallel, and "the dp engines are
 # separate vLLM instances" (else one deployment with data_parallel_size=dp)
 FLAGS = {"ep", "independent"}
@@ -190,10 +193,16 @@ class InferParallel(_Sides):
 
     vLLM has two readings of ``dp``: one deployment with ``data_parallel_size=dp`` (the default;
     its MoE layers spread over all ``tp x dp`` ranks), or ``independent``: ``dp`` separate engines
-    of ``tp`` ranks, each holding the whole model, as most RL stacks run them.
+    of ``tp`` ranks, each holding the whole model, as most RL stacks run them. ``deployments``:
+    that many copies of the whole arrangement on consecutive ranks (each its own vLLM deployment,
+    its expert parallelism over its own ``tp x dp`` ranks): how a model whose experts do not
+    divide over ``tp x dp x deployments`` ranks still uses them all.
 
     >>> InferParallel.parse("tp32,dp8").describe(), InferParallel.parse("tp32,dp8,independent").describe()
     ('vllm tp32,dp8 (one deployment, data_parallel_size=8)', 'vllm tp32,dp8,independent (8 independent engines)')
+    >>> two = InferParallel.parse("tp2,dp2,ep,deployments2")
+    >>> two.world, two.describe()
+    (8, 'vllm tp2,dp2,ep,deployments2 (2 deployments, each data_parallel_size=2)')
     """
 
     KEYS = INFER_KEYS
@@ -204,18 +213,19 @@ class InferParallel(_Sides):
     dp: int = 1
     ep: bool = False
     independent: bool = False
+    deployments: int = 1
 
     def __post_init__(self) -> None:
         if self.framework not in INFER_KEYS:
             raise LayoutError(f"inference framework {self.framework!r} unknown; use one of {', '.join(INFER_KEYS)}")
-        check_sizes(f"inference {self.framework}", tp=self.tp, dp=self.dp)
+        check_sizes(f"inference {self.framework}", tp=self.tp, dp=self.dp, deployments=self.deployments)
         _check_world("inference", self)
         if self.ep and "ep" not in INFER_KEYS[self.framework]:
             raise LayoutError(f"inference {self.framework}: no expert parallelism")
 
     @property
     def world(self) -> int:
-        return self.tp * self.dp
+        return self.tp * self.dp * self.deployments
 
     def shown_sizes(self) -> dict[str, int | bool]:
         sizes: dict[str, int | bool] = {"tp": self.tp}
@@ -225,14 +235,19 @@ class InferParallel(_Sides):
             sizes["ep"] = True
         if self.independent:
             sizes["independent"] = True
+        if self.deployments > 1:
+            sizes["deployments"] = self.deployments
         return sizes
 
     def describe(self) -> str:
         text = super().describe()
         if self.framework != "vllm" or self.dp == 1:
             return text
-        return text + (f" ({self.dp} independent engines)" if self.independent
-                       else f" (one deployment, data_parallel_size={self.dp})")
+        if self.independent:
+            return text + f" ({self.dp * self.deployments} independent engines)"
+        if self.deployments > 1:
+            return text + f" ({self.deployments} deployments, each data_parallel_size={self.dp})"
+        return text + f" (one deployment, data_parallel_size={self.dp})"
 
     def layout(self, arch: Arch | str, ranks=None, *, dtype: torch.dtype | None = None) -> Layout:
         """``arch``'s weights as the engines hold them on ``ranks`` (default ``0..world-1``), engine by engine."""
@@ -240,8 +255,22 @@ class InferParallel(_Sides):
         ranks = range(self.world) if ranks is None else ranks
         if self.framework == "dtensor":
             return tensor_parallel_layout(arch, ranks, self.tp, self.dp, dtype=dtype)
-        return vllm_layout(arch, ranks, self.tp, self.dp, expert_parallel=self.ep, dtype=dtype,
-                           independent_engines=self.independent)
+        ranks, each = list(ranks), self.tp * self.dp
+        parts = [vllm_layout(arch, ranks[d * each:(d + 1) * each], self.tp, self.dp, expert_parallel=self.ep,
+                             dtype=dtype, independent_engines=self.independent) for d in range(self.deployments)]
+        return parts[0] if len(parts) == 1 else _side_by_side(parts)
+
+
+def _side_by_side(parts: list[Layout]) -> Layout:
+    """One layout of ``parts`` that hold the same tensors on disjoint ranks. Like ``Layout.merge``,
+    but each part comes from a constructor that is correct by construction, so the result is
+    validated only up to :data:`~reshard.layout.VALIDATE_MAX_PIECES` pieces (``Layout.merge``
+    validates always: 70 s of checks for the 2.4 T MoE's two deployments of 1024 ranks)."""
+    first = parts[0]
+    tables = {name: concatenated([part.tables[name] for part in parts], len(spec.shape))
+              for name, spec in first.specs.items()}
+    buffers = {r: part.buffer_map(r) for part in parts for r in part.ranks}
+    return Layout(first.specs, tables, buffers, validate=None)
 
 
 @dataclass(frozen=True)

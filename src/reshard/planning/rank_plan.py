@@ -112,6 +112,8 @@ class RankPlanBuilder:
         self.destination = destination
         self.groups = groups
         self._stacked_cache: dict[int, _Stacked] = {}
+        self._groups_by_rank: dict[int, list[int]] | None = None
+        self._built_one = False
 
     def build(self, rank: int, quotas: Callable[[], Quotas]) -> RankPlan:
         """``rank``'s sends, receives, local and fan-out copies; other ranks' copies are not built.
@@ -120,7 +122,8 @@ class RankPlanBuilder:
         out = RankPlan(rank)
         remote_copies: list[Copy] = []  # remote copies of every group, then sorted into streams
         keys: list[tuple[np.ndarray, ...]] = []
-        for group in self.groups:
+        for index in self._groups_of(rank):
+            group = self.groups[index]
             rows = self._rows_of(group, rank)
             if not len(rows.instance):
                 continue
@@ -141,6 +144,29 @@ class RankPlanBuilder:
         out.sends.sort(key=lambda m: (m.round, m.peer))
         out.recvs.sort(key=lambda m: (m.round, m.peer))
         return out
+
+    def _groups_of(self, rank: int) -> list[int] | range:
+        """Indices, in order, of the groups that name ``rank`` as a source or destination of any
+        item (a superset of those it sends or receives in), so a rank's part visits only those.
+        The first part built visits every group (a rank planning only its own part pays nothing
+        more); the second builds the index for every rank, in one sort over all groups' ranks::
+
+            group 0: ranks 0, 2    group 1: ranks 1, 2    ->    {0: [0], 1: [1], 2: [0, 1]}
+        """
+        if self._groups_by_rank is None:
+            if not self._built_one or not self.groups:
+                self._built_one = True
+                return range(len(self.groups))
+            named = [np.concatenate([g.rank, g.dst_rank, g.choice_rank.ravel()]) for g in self.groups]
+            count = len(named)
+            keys = np.unique(np.concatenate(named) * count
+                             + np.repeat(np.arange(count, dtype=np.int64), [len(n) for n in named]))
+            ranks, owner = np.divmod(keys, count)  # sorted by rank, then group
+            cut = np.flatnonzero(ranks[1:] != ranks[:-1]) + 1
+            starts = [0, *cut.tolist()]
+            groups = (chunk.tolist() for chunk in np.split(owner, cut))
+            self._groups_by_rank = dict(zip(ranks[starts].tolist(), groups))
+        return self._groups_by_rank.get(rank, [])
 
     @staticmethod
     def _rows_of(group: GeometryGroup, rank: int) -> _Rows:
