@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python benchmarks/bench_fp8.py [--repeat 5] [--layers 28] [--configs 2-2:2x1,4-4:4x1,3-2:2x1,12-2:2x1]
+    python benchmarks/bench_fp8.py [--repeat 5] [--layers 28] [--configs 2-2:2x1,3-2:2x1,12-2:2x1] [--all-at-once]
 
 One process group per configuration (CPU, gloo), the demo model (Qwen3-0.6B-shaped, ``--layers``
 decoder layers), FSDP2 training over M ranks -> N inference ranks (torch tensor-parallel
@@ -19,6 +19,8 @@ replicas, ``tp x dp``). Per repeat, one run of each, in alternating order (the m
             holds whole but the domain's ranks hold together is first handed to one of them
             ("assemble blocks"), which quantizes it and sends FP8; only blocks that span domains
             still cross in BF16
+    fp8 whole (``--all-at-once``) the raw FP8 plan run without tensor groups: one refit that stages every
+            tensor's quantization at once, over the cap (what the groups cost in time)
 
 "peak staging": the busiest rank's measured peak (``RunStats.peak_staging_bytes``: the staging a
 tensor group allocated, plus its transfer's or assembly round's) against what the quantization
@@ -58,6 +60,9 @@ from reshard.tensors import box_slices, box_str, buffer_view
 
 MiB = 1 << 20
 KINDS = ("bf16", "fp8", "fp8 asm")
+WHOLE = "fp8 whole"  # --all-at-once: the raw FP8 plan in one child refit, no tensor groups
+LABELS = {"fp8": "FP8, raw BF16 where no whole holder", "fp8 asm": "FP8, blocks assembled",
+          WHOLE: "FP8, raw, all at once (no tensor groups)"}
 
 
 def _fp8_reference(pp, lay, rank: int) -> dict[str, torch.Tensor]:
@@ -91,8 +96,10 @@ def _check_fp8(pp, rank: int, buffers, ref) -> list[str]:
 
 
 def _worker(rank: int, world: int, path: str, config: str, layers: int, repeat: int, domain: int,
-            bucket: int) -> None:
+            bucket: int, whole: bool) -> None:
     import json
+
+    kinds = KINDS + ((WHOLE,) if whole else ())
 
     (train, infer), = parse_configs(config)
     lay = model_layouts(get_arch(DEMO_MODEL).with_overrides(layers=layers), train, infer)
@@ -103,18 +110,20 @@ def _worker(rank: int, world: int, path: str, config: str, layers: int, repeat: 
              "fp8 asm": precision_plan(lay.source, lay.destination, "fp8", max_bucket_bytes=bucket,
                                        assemble={r: r // size for r in lay.source.ranks})}
     pp = plans["fp8"]
-    dst = {"bf16": lay.destination.empty_buffers(rank), "fp8": pp.destination.empty_buffers(rank),
-           "fp8 asm": plans["fp8 asm"].destination.empty_buffers(rank)}
     executors = {"bf16": rs.ReshardExecutor(plans["bf16"]), "fp8": PrecisionExecutor(pp),
                  "fp8 asm": PrecisionExecutor(plans["fp8 asm"])}
+    if whole:
+        plans[WHOLE], executors[WHOLE] = pp, PrecisionExecutor(pp, groups=False)
+    dst = {"bf16": lay.destination.empty_buffers(rank),
+           **{k: plans[k].destination.empty_buffers(rank) for k in kinds[1:]}}
     ref = _fp8_reference(pp, lay, rank) if rank in lay.destination_ranks else {}
-    times = {k: [] for k in KINDS}
+    times = {k: [] for k in kinds}
     steps = (ASSEMBLY_STEP, SOURCE_STEP, DESTINATION_STEP)
-    quant = {kind: {step: [] for step in steps} for kind in KINDS[1:]}
+    quant = {kind: {step: [] for step in steps} for kind in kinds[1:]}
     bad: list[str] = []
-    peak = {k: 0 for k in KINDS}  # this rank's measured peak staging per path (run stats)
+    peak = {k: 0 for k in kinds}  # this rank's measured peak staging per path (run stats)
     for i in range(repeat + 1):
-        for kind in (KINDS if i % 2 else KINDS[::-1]):  # alternating order: the machine is noisy
+        for kind in (kinds if i % 2 else kinds[::-1]):  # alternating order: the machine is noisy
             for t in dst[kind].values():
                 t.zero_()
             dist.barrier()
@@ -134,7 +143,7 @@ def _worker(rank: int, world: int, path: str, config: str, layers: int, repeat: 
                 else:
                     bad += [f"{kind}: {b}" for b in _check_fp8(plans[kind], rank, dst[kind], ref)[:1]]
     figures = {}
-    for kind in KINDS[1:]:
+    for kind in kinds[1:]:
         paths = plans[kind].tensor_paths().values()
         figures[kind] = {"by_path": plans[kind].wire_bytes_by_path(), "bytes": plans[kind].wire_bytes,
                          "assembly": plans[kind].assembly_bytes,
@@ -170,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
                          "tensor groups and assembly rounds included")
     ap.add_argument("--domain", type=int, default=0,
                     help="training ranks per domain for the assembled path (default: all of them, one domain)")
+    ap.add_argument("--all-at-once", action="store_true",
+                    help="also run the raw FP8 plan without tensor groups (one refit staging every tensor's "
+                         "quantization at once, over the cap): what the groups cost in time")
     args = ap.parse_args(argv)
     console = Console(width=max(Console().width, 180))
     print_header(console, "benchmarks/bench_fp8.py", argv)
@@ -185,29 +197,31 @@ def main(argv: list[str] | None = None) -> int:
     for config in args.configs.split(","):
         (train, infer), = parse_configs(config)
         world = train.world + infer.world
-        ranks = spawn_for_json(_worker, world, config, args.layers, args.repeat, args.domain, args.bucket)
+        ranks = spawn_for_json(_worker, world, config, args.layers, args.repeat, args.domain, args.bucket,
+                               args.all_at_once)
+        kinds = KINDS + ((WHOLE,) if args.all_at_once else ())
         ok &= not any(r["bad"] for r in ranks)
         for r in ranks:
             for b in r["bad"]:
                 console.print(f"[red]{b}", highlight=False)
-        t = {k: _median_of_slowest(ranks, lambda r, k=k: r["times"][k], args.repeat) for k in KINDS}
+        t = {k: _median_of_slowest(ranks, lambda r, k=k: r["times"][k], args.repeat) for k in kinds}
         r0 = ranks[0]
         table.add_row(config, "BF16", f"{r0['bf16_bytes'] / MiB:.1f}", f"- / - / - / {r0['bf16_bytes'] / MiB:.1f}",
                       "-", f"{max(r['bf16_peak'] for r in ranks) / MiB:.2f} / -", "-", f"{t['bf16']:.3f}", "-", "-", "-",
                       "1.00x")
-        for kind, label in (("fp8", "FP8, raw BF16 where no whole holder"), ("fp8 asm", "FP8, blocks assembled")):
+        for kind in kinds[1:]:
             q = {s: _median_of_slowest(ranks, lambda r, s=s, kind=kind: r["quant"][kind][s], args.repeat)
                  for s in (ASSEMBLY_STEP, SOURCE_STEP, DESTINATION_STEP)}
             f = r0["fp8"][kind]
             w = f["by_path"]
             most, every = (max(r["fp8"][kind][k] for r in ranks) for k in ("peak", "all_at_once"))
             staged = f"{most / MiB:.2f} / {every / MiB:.2f} ({f['groups']})"
-            table.add_row("", label, f"{f['bytes'] / MiB:.1f}",
+            table.add_row("", LABELS[kind], f"{f['bytes'] / MiB:.1f}",
                           " / ".join(f"{w[k] / MiB:.1f}" for k in ("fp8", "scales", "raw", "other")),
                           f"{f['assembly'] / MiB:.1f}", staged, " / ".join(f"{b:,}" for b in f["blocks"]),
                           f"{t[kind]:.3f}",
                           f"{q[ASSEMBLY_STEP]:.3f}" if f["assembly"] else "-", f"{q[SOURCE_STEP]:.3f}",
-                          f"{q[DESTINATION_STEP]:.3f}", f"{t[kind] / t['bf16']:.2f}x", end_section=kind == "fp8 asm")
+                          f"{q[DESTINATION_STEP]:.3f}", f"{t[kind] / t['bf16']:.2f}x", end_section=kind == kinds[-1])
     console.print(table)
     console.print("every destination byte verified after every run (FP8 against the reference quantizer)" if ok
                   else "[red]WRONG BYTES")

@@ -463,3 +463,21 @@ def write_counts(plan: rs.Plan) -> dict[int, dict[str, torch.Tensor]]:
     return counts
 
 
+
+
+def run_precision_or_refused(plan, src_buffers, out) -> bool:
+    """``run_local_precision(plan, src_buffers, out)``; False where the plan's cap is too small for the
+    refit (a drawn cap can be): then the error names ``max_bucket_bytes`` and no byte of ``out`` moved."""
+    from reshard.execution.precision import run_local_precision
+
+    before = {r: {b: t.clone() for b, t in bufs.items()} for r, bufs in out.items()}
+    try:
+        run_local_precision(plan, src_buffers, out)
+    except ValueError as e:
+        if "too small" not in str(e):
+            raise
+        assert "max_bucket_bytes" in str(e), e
+        assert all(torch.equal(out[r][b].view(torch.uint8), t.view(torch.uint8))
+                   for r, bufs in before.items() for b, t in bufs.items()), "a refused refit wrote bytes"
+        return False
+    return True

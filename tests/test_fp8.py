@@ -20,12 +20,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import reshard as rs
-from reshard.execution.precision import PrecisionExecutor, run_local_precision
+from reshard.execution.precision import PrecisionExecutor
 from reshard.execution.process_group import free_port
 from reshard.planning.precision import (DESTINATION, SOURCE, Cast, DtypePolicy, FP8Block, Keep, PrecisionPlan,
                                         precision_layout)
 from reshard.quant import FP8_DTYPE, FP8_MAX, quantize_blocks, scale_name
 
+from strategies import run_precision_or_refused
 from vllm_helpers import run_in_worker, vllm_worker  # noqa: F401  (vllm_worker: a fixture)
 
 BF16, F32 = torch.bfloat16, torch.float32
@@ -284,7 +285,7 @@ def fp8_cases(draw):
         rs.Layout.from_placements(keep, [2, 3], (2,), [rs.Replicate()]),
         rs.Layout.from_placements(cast, [4, 5], (2,), [rs.Shard(1)])])
     policy = DtypePolicy(rules=(("up_proj", FP8Block((bn, bk), draw(st.booleans()))), ("lm_head", Cast(BF16))))
-    bucket = draw(st.sampled_from([None, 256, 4096]))
+    bucket = draw(st.sampled_from([None, 512, 4096]))  # 512: several rounds, and the staging shares the cap
     g = torch.Generator().manual_seed(draw(st.integers(0, 2 ** 16)))
     full = {s.name: (torch.randn(s.shape, generator=g) * 10 ** torch.randint(-3, 4, s.shape, generator=g)).to(s.dtype)
             for s in (w, keep, cast)}
@@ -322,7 +323,8 @@ def test_fp8_refit_equals_the_reference_quantizer_bit_for_bit(case):
     plan = PrecisionPlan(src, dst, policy, max_bucket_bytes=bucket)
     out = {r: {b: _sentinel(shape, dt) for b, (shape, dt) in plan.destination.buffers(r).items()}
            for r in plan.destination.ranks}
-    run_local_precision(plan, {r: src.materialize(r, full) for r in src.ranks}, out)
+    if not run_precision_or_refused(plan, {r: src.materialize(r, full) for r in src.ranks}, out):
+        return  # the drawn cap leaves the wire too little beside the staging: refused, nothing written
     for r in plan.destination.ranks:
         want = _expected(plan, r, full, _sentinel)
         assert out[r].keys() == want.keys()
@@ -365,7 +367,8 @@ def test_every_method_takes_a_dtype_policy(case, method_rule):
     options = rs.RefitOptions(method=method, precision=policy, max_bucket_bytes=bucket, **extra)
     plan = make_plan(options, src, dst)
     out = {r: plan.destination.empty_buffers(r) for r in plan.destination.ranks}
-    run_local_precision(plan, {r: src.materialize(r, full) for r in src.ranks}, out)
+    if not run_precision_or_refused(plan, {r: src.materialize(r, full) for r in src.ranks}, out):
+        return  # the drawn cap leaves the wire too little beside the staging: refused, nothing written
     for r in plan.destination.ranks:
         for b, t in _expected(plan, r, full, _zeros).items():
             assert same_bits(out[r][b], t), (method, r, b)
@@ -387,7 +390,8 @@ def test_hierarchical_fp8_refit_is_exact_too(case):
     domains = {r: r // 2 for r in range(6)}
     plan = PrecisionPlan(src, dst, policy, max_bucket_bytes=bucket, domains=domains)
     out = {r: plan.destination.empty_buffers(r) for r in plan.destination.ranks}
-    run_local_precision(plan, {r: src.materialize(r, full) for r in src.ranks}, out)
+    if not run_precision_or_refused(plan, {r: src.materialize(r, full) for r in src.ranks}, out):
+        return  # the drawn cap leaves the wire too little beside the staging: refused, nothing written
     for r in plan.destination.ranks:
         for b, t in _expected(plan, r, full, _zeros).items():
             assert same_bits(out[r][b], t), (r, b)

@@ -125,8 +125,9 @@ def run_local_precision(plan: PrecisionPlan, src_buffers: Mapping[int, Buffers],
     (True, True)
     """
     groups = plan.tensor_groups()
-    for i in range(len(groups)):  # a tensor group at a time, as PrecisionExecutor runs them
-        _run_local_group(groups.plan(i), src_buffers, dst_buffers)
+    plans = [groups.plan(i) for i in range(len(groups))]  # every group planned before any byte moves
+    for group_plan in plans:  # a tensor group at a time, as PrecisionExecutor runs them
+        _run_local_group(group_plan, src_buffers, dst_buffers)
 
 
 def _run_local_group(plan: PrecisionPlan, src_buffers: Mapping[int, Buffers], dst_buffers: Mapping[int, Buffers]
@@ -182,7 +183,7 @@ class PrecisionExecutor(Executor):
         self.children: list[PrecisionExecutor] = []
         self._current: PrecisionExecutor | None = None  # the child running now
         tensor_groups = plan.tensor_groups() if groups else None
-        if tensor_groups is not None and len(tensor_groups) > 1:
+        if tensor_groups is not None and not tensor_groups.whole:  # one group or more, sharing the cap
             self.children = [PrecisionExecutor(tensor_groups.plan(i), self.group, timeout=timeout, overlap=overlap,
                                                checksum=checksum, allow_lossy=allow_lossy, wire=wire, groups=False)
                              for i in range(len(tensor_groups))]

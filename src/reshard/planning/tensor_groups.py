@@ -15,7 +15,9 @@ frees its staging before the next. How a group shares the cap ``C`` (``max_bucke
 
 A tensor whose staging alone passes ``C // 2`` on some rank is a group of its own, over its share
 by its excess: a tensor is never split. Kept and cast tensors stage nothing; they ride with the
-group they fall in. Without a cap, or when everything fits, there is one group: the plan itself.
+group they fall in. Without a cap, or when no rank stages anything, there is one group: the plan
+itself (its wire has the whole cap). When everything fits ``C // 2`` there is one group too, but
+its wire is planned again under ``C`` less the most a rank stages (the two share the cap).
 
 Four 256 x 256 tensors split 3 ways by rows (86 rows: no whole block), so each crosses raw into
 rank 3 (its destination): 128 KiB of raw BF16 staging per tensor. Cap 512 KiB: 256 KiB a group::
@@ -98,8 +100,12 @@ class TensorGroups:
         for per in staged.values():
             for rank, nbytes in per.items():
                 total[rank] += nbytes
-        if self.staging_cap is None or all(v <= self.staging_cap for v in total.values()):
+        # the plan itself: nothing to share the cap with
+        self.whole = self.staging_cap is None or not any(total.values())
+        if self.whole or all(v <= self.staging_cap for v in total.values()):
             self.names, self._bytes = [tuple(names)], [dict(sorted(total.items()))]
+            if not self.whole:  # one group: its wire takes what the staging leaves
+                self.wire_cap = cap - max(total.values())
             return
         group: list[str] = []
         load: dict[int, int] = defaultdict(int)
@@ -132,15 +138,22 @@ class TensorGroups:
 
     def plan(self, index: int):
         """Group ``index``'s plan: the refit of its tensors alone, its wire under :attr:`wire_cap` (the
-        plan itself when there is one group)."""
+        plan itself when :attr:`whole`)."""
         plan = self.source_plan
-        if len(self.names) == 1:
+        if self.whole:
             return plan
         names = self.names[index]
         source_names = [n for n in names if n in plan.source.specs]
-        return type(plan)(_restricted(plan.source, source_names), _restricted(plan.engine_destination, names),
-                          plan.policy, max_bucket_bytes=self.wire_cap, domains=plan.domains, wire=plan.wire_maker,
-                          at_source=plan.at_source, assemble=plan.assemble)
+        try:
+            return type(plan)(_restricted(plan.source, source_names), _restricted(plan.engine_destination, names),
+                              plan.policy, max_bucket_bytes=self.wire_cap, domains=plan.domains,
+                              wire=plan.wire_maker, at_source=plan.at_source, assemble=plan.assemble)
+        except ValueError as e:
+            if "too small" not in str(e):
+                raise
+            raise ValueError(f"max_bucket_bytes={self.cap} is too small for this precision refit: beside the "
+                             f"quantization staging of tensor group {index} its wire gets {self.wire_cap} bytes "
+                             f"({e})") from None
 
 
 __all__ = ["TensorGroups", "tensor_staging"]
