@@ -201,8 +201,10 @@ class Layout:
         return cls.from_placements(spec, ranks, tuple(mesh.mesh.shape), placements, split, buffer=buffer)
 
     @staticmethod
-    def merge(layouts: Iterable["Layout"]) -> "Layout":
-        """One layout holding the tensors of all ``layouts`` (same tensor may appear in several)."""
+    def merge(layouts: Iterable["Layout"], *, validate: bool | None = True) -> "Layout":
+        """One layout holding the tensors of all ``layouts`` (same tensor may appear in several);
+        ``validate``: as :class:`Layout` takes it (``None``: only up to :data:`VALIDATE_MAX_PIECES`
+        pieces, for parts from constructors correct by construction)."""
         specs: dict[str, TensorSpec] = {}
         pieces: dict[str, list[PieceTable]] = defaultdict(list)
         parts: dict[int, list[RankBuffers]] = defaultdict(list)
@@ -223,7 +225,7 @@ class Layout:
             bufs[r] = merged[key]
         tables = {name: tabs[0] if len(tabs) == 1 else concatenated(tabs, len(specs[name].shape))
                   for name, tabs in pieces.items()}
-        return Layout(specs, tables, bufs)
+        return Layout(specs, tables, bufs, validate=validate)
 
     def subset(self, ranks: Iterable[int]) -> "Layout":
         """The pieces and buffers of ``ranks`` only (every tensor's spec kept): one rank's part, to
