@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import reshard as rs
 from reshard.modeling.pipeline import RefitModel, pipelined_traffic
 from reshard.modeling.topology import Placement, Topology
-from reshard.planning.hierarchy import hierarchical_plan, tensor_chunks
+from reshard.planning.hierarchy import Bands, chunk_pair_bytes, hierarchical_plan, tensor_chunks
 from reshard.planning.schedule import ALIGN, round_cap
 
 try:
@@ -165,12 +165,58 @@ def test_the_chosen_order_never_models_slower_than_sequential(pc):
 
 def test_chunks_spread_consecutive_tensors_and_bad_chunks_are_refused():
     src, dst, domains = _engines()
-    chunks = tensor_chunks(dst, 4)
-    assert [chunks[f"t{i}"] for i in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    chunks = tensor_chunks(dst, 4)  # TP2 rows: each rank's half of a tensor spans 4 of its 8 bands
+    assert [chunks[f"t{i}"] for i in range(8)] == [Bands(r, 8) for r in (0, 1, 2, 3, 0, 1, 2, 3)]
     h = hierarchical_plan(src, dst, domains)
     with pytest.raises(ValueError, match="chunks must be an integer >= 1"):
         h.pipelined(0)
     assert h.pipelined(1).num_steps == len(h.phases) and not h.pipelined(1).is_pipelined
+
+
+def _lm_head(rows=4096, sources=8, tp=4, cols=64):
+    """One big tensor replicated on ``sources`` training ranks (one domain), needed by two TP
+    engines in two domains: the planner cuts each receiver's rows into one part per replica."""
+    spec = rs.TensorSpec("lm_head", (rows, cols), torch.float32)
+    src = rs.Layout.from_placements(spec, list(range(sources)), (sources,), [rs.Replicate()])
+    dst = rs.Layout.from_placements(spec, list(range(sources, sources + 2 * tp)), (2, tp), [rs.Replicate(), rs.Shard(0)])
+    domains = {r: 0 for r in range(sources)} | {sources + i: 1 + i // tp for i in range(2 * tp)}
+    return src, dst, domains
+
+
+@pytest.mark.parametrize("chunks", [2, 4, 8])
+def test_every_stream_sends_its_share_in_every_step(chunks):
+    """Each source replica sends its own row part of the LM head; those parts line up with a
+    tensor's row bands when they are as many as the chunks, so the bands are cut finer than the
+    finest piece of the phases' layouts and each source sends 1/chunks of its stream per step
+    (before: one source's whole part in one step, its NIC the pipelined order's bottleneck)."""
+    src, dst, domains = _lm_head()
+    h = hierarchical_plan(src, dst, domains, split_bytes=1).pipelined(chunks)
+    assert len({s for s, _ in h.network.pair_bytes}) == 8  # every replica sends a part
+    per_chunk = chunk_pair_bytes(h.network, h.chunk_of, chunks)
+    band = 64 * 4 * 4096 // h.chunk_of["lm_head"].count
+    for pair, total in h.network.pair_bytes.items():
+        shares = [c.get(pair, 0) for c in per_chunk]
+        assert sum(shares) == total
+        assert max(shares) - min(shares) <= band, (pair, shares)
+    for r in h.destination.ranks:  # the executor's steps cut the same way as the model counts
+        for s, step in enumerate(h.steps_for_rank(r)):
+            for sp in step:
+                got = sum(c.nbytes for m in sp.part.recvs for c in m.copies if sp.phase == 0)
+                want = sum(b for (a, d), b in per_chunk[s].items() if d == r) if sp.phase == 0 else 0
+                assert got == want, (r, s)
+
+
+def test_the_pipelined_order_models_near_its_busiest_link_on_an_lm_head():
+    """Bandwidth-bound: with every source's part spread over the steps, the pipelined order models
+    within one step's share of the sequential network phase."""
+    src, dst, domains = _lm_head(rows=1 << 17, cols=8192)  # 4.3 GB
+    topo = Topology.preset("dgx-h100")
+    place = Placement(topo, np.array(list(range(8)) + list(range(8, 16))), tuple(src.ranks), tuple(dst.ranks))
+    h = hierarchical_plan(src, dst, domains, split_bytes=1)
+    m = RefitModel(src, dst, topo, place, rs.plan(src, dst), h)
+    _, seq = m.estimate(h)
+    _, pipe = m.estimate(m.pipelined(8))
+    assert pipe.seconds <= seq.seconds * (1 + 1 / 8), (pipe.seconds, seq.seconds)
 
 
 # ------------------------------------------------------------------------------------- over gloo

@@ -35,6 +35,7 @@ replicas frameworks make. Partially overlapping boxes are planned as they are.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from bisect import bisect_right
 from functools import cached_property
 from typing import Mapping, NamedTuple
 
@@ -145,21 +146,27 @@ class HierarchicalPlan:
         return self.chunks + len(self.phases) - 1 if self.is_pipelined else len(self.phases)
 
     @cached_property
-    def chunk_of(self) -> dict[str, int]:
-        """Each destination tensor's rotation: its band ``k`` of rows is in chunk ``(k + rotation) % chunks``
-        (:func:`tensor_chunks`)."""
-        return tensor_chunks(self.destination, self.chunks)
+    def chunk_of(self) -> dict[str, Bands]:
+        """How each destination tensor's rows are dealt into the chunks (:func:`tensor_chunks` over
+        every phase's layouts)."""
+        layouts = [lay for p in self.phases for lay in (p.source, p.destination)]
+        return tensor_chunks(self.destination, self.chunks, layouts + [self.destination])
 
     def split_by_chunk(self, c) -> list[tuple[int, object]]:
-        """``[(chunk, sub-copy)]``: copy ``c`` cut at the row bands of its tensor (:func:`row_bands`)."""
+        """``[(chunk, sub-copy)]``: copy ``c`` cut at the row bands of its tensor (:class:`Bands`),
+        in row order."""
         n = self.destination.specs[c.tensor].shape[0]
         lo, size = c.offsets[0], c.sizes[0]
-        rot, k = self.chunk_of[c.tensor], self.chunks
+        bands, k = self.chunk_of[c.tensor], self.chunks
+        edges = [n * j // bands.count for j in range(bands.count + 1)]
+        first = max(bisect_right(edges, lo) - 1, 0)
         out = []
-        for band, (a, b) in enumerate(row_bands(n, k)):
-            a, b = max(a, lo), min(b, lo + size)
+        for band in range(first, bands.count):
+            a, b = max(edges[band], lo), min(edges[band + 1], lo + size)
+            if a >= lo + size:
+                break
             if a < b:
-                out.append(((band + rot) % k, c if (a, b) == (lo, lo + size) else c.narrow(0, a - lo, b - a)))
+                out.append(((band + bands.rotation) % k, c if (a, b) == (lo, lo + size) else c.narrow(0, a - lo, b - a)))
         return out
 
     def phase_share(self) -> int:
@@ -272,60 +279,109 @@ def row_bands(rows: int, chunks: int) -> list[tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:]))
 
 
-def tensor_chunks(destination: Layout, chunks: int) -> dict[str, int]:
-    """``{tensor: rotation}``: band ``k`` of a tensor's rows (:func:`row_bands`) goes in chunk
-    ``(k + rotation) % chunks``, the rotation being the tensor's position among the destination's
-    tensors. Every chunk then holds 1/chunks of the rows of every tensor, so every stream (whole
-    tensors, a pipeline stage's layers, a TP rank's rows of many tensors) sends about 1/chunks of its
-    bytes in each step. The same on every rank (it reads only the layout's tensor order); an element
-    is in the same chunk in every phase, so a phase's chunk reads only what earlier phases'
-    same chunk wrote.
+class Bands(NamedTuple):
+    """How a tensor's rows are dealt into the chunks of the pipelined order: band ``j`` of
+    ``count`` (:func:`row_bands`) is in chunk ``(j + rotation) % chunks``."""
+
+    rotation: int
+    count: int
+
+    def chunk_shares(self, rows: int, chunks: int, lo: np.ndarray, size: np.ndarray) -> np.ndarray:
+        """``[chunk, item]``: the share of each item's rows ``[lo, lo + size)`` that lies in each
+        chunk for rotation 0 (roll by ``rotation`` for this tensor's chunks).
+
+        >>> Bands(0, 4).chunk_shares(8, 2, np.array([0, 2]), np.array([8, 2])).tolist()
+        [[0.5, 0.0], [0.5, 1.0]]
+        """
+        edges = np.array([rows * j // self.count for j in range(self.count + 1)], np.int64)
+        owned = np.zeros((chunks, self.count + 1), np.int64)  # rows of bands < j in each chunk
+        for c in range(chunks):
+            width = np.diff(edges) * (np.arange(self.count) % chunks == c)
+            owned[c, 1:] = np.cumsum(width)
+
+        def below(x):  # [chunk, item]: rows of [0, x) in each chunk
+            j = np.clip(np.searchsorted(edges, x, side="right") - 1, 0, self.count - 1)
+            part = owned[:, j].copy()
+            part[j % chunks, np.arange(len(x))] += x - edges[j]
+            return part
+
+        hi = np.minimum(lo + size, rows)
+        return (below(hi) - below(lo)) / np.maximum(size, 1)[None, :]
+
+
+def row_split(layouts, name: str, cache: dict) -> int:
+    """How finely ``layouts`` cut tensor ``name``'s first dim: its rows over the shortest piece's
+    rows, in any of them (1 where every piece holds whole rows)."""
+    out = 1
+    for lay in layouts:
+        t = lay.tables.get(name)
+        if t is None or not len(t):
+            continue
+        key = (id(lay), id(t.sizes))
+        hit = cache.get(key)
+        if hit is None:
+            rows = lay.specs[name].shape[0] if lay.specs[name].shape else 1
+            hit = cache[key] = -(-rows // max(int(t.sizes[:, 0].min()), 1)) if t.sizes.shape[1] else 1
+        out = max(out, hit)
+    return out
+
+
+MAX_ROW_SPLIT = 64  # a tensor's rows are cut into at most chunks * this many bands
+
+
+def tensor_chunks(destination: Layout, chunks: int, layouts=()) -> dict[str, Bands]:
+    """``{tensor: Bands}``: how each destination tensor's rows are dealt into ``chunks`` chunks.
+
+    A tensor's rows are cut into ``chunks * m`` bands (at most its rows), ``m`` being how finely
+    ``layouts`` (the phases' layouts; default the destination alone) cut its first dim
+    (:func:`row_split`, at most :data:`MAX_ROW_SPLIT`); band ``j`` goes in chunk
+    ``(j + rotation) % chunks``. Every piece of those layouts then spans ``chunks`` bands or more,
+    so each chunk holds about 1/chunks of every piece, and every stream (whole tensors, a pipeline
+    stage's layers, the row part a source replica sends of an LM head) sends about 1/chunks of its
+    bytes in each step. Rotations count up over the tensors of one shape (layer after layer), so
+    pieces of a band's size spread over the chunks too. The same on every rank (it reads only
+    the layouts); an element is in the same chunk in every phase, so a phase's chunk reads only what
+    earlier phases' same chunk wrote.
 
     >>> import torch, reshard as rs
-    >>> specs = [rs.TensorSpec(n, (4,), torch.float32) for n in "abc"]
-    >>> dst = rs.Layout.merge([rs.Layout.from_placements(s, [0], (1,), [rs.Replicate()]) for s in specs])
-    >>> tensor_chunks(dst, 2)
-    {'a': 0, 'b': 1, 'c': 0}
+    >>> specs = [rs.TensorSpec(n, (4,), torch.float32) for n in "abc"] + [rs.TensorSpec("d", (8, 2), torch.float32)]
+    >>> dst = rs.Layout.merge([rs.Layout.from_placements(s, [0, 1], (2,), [rs.Replicate()]) for s in specs[:3]]
+    ...                       + [rs.Layout.from_placements(specs[3], [0, 1], (2,), [rs.Shard(0)])])
+    >>> tensor_chunks(dst, 2)    # d: rows 0-3 on rank 0, 4-7 on rank 1: four bands, each rank's half in both chunks
+    {'a': Bands(rotation=0, count=2), 'b': Bands(rotation=1, count=2), 'c': Bands(rotation=0, count=2), 'd': Bands(rotation=0, count=4)}
     """
-    names = [name for name, t in destination.tables.items() if len(t)]
-    return {name: i % max(int(chunks), 1) for i, name in enumerate(names)}
+    chunks = max(int(chunks), 1)
+    layouts = tuple(layouts) or (destination,)
+    seen: dict[tuple, int] = {}
+    cache: dict = {}
+    out = {}
+    for name, t in destination.tables.items():
+        if not len(t):
+            continue
+        shape = tuple(destination.specs[name].shape)
+        rows = shape[0] if shape else 1
+        k = seen.get(shape, 0)
+        seen[shape] = k + 1
+        m = min(row_split(layouts, name, cache), MAX_ROW_SPLIT) if chunks > 1 else 1
+        out[name] = Bands(k % chunks, max(min(rows, chunks * m), 1))
+    return out
 
 
-def chunk_pair_bytes(phase: Plan, chunk_of: Mapping[str, int], chunks: int) -> list[dict[tuple[int, int], int]]:
+def chunk_pair_bytes(phase: Plan, chunk_of: Mapping[str, Bands], chunks: int) -> list[dict[tuple[int, int], int]]:
     """Per chunk, ``{(src, dst): bytes}`` of the phase's copies between distinct ranks, each copy's
     rows counted in the chunk of their band (:func:`tensor_chunks`); sums to ``phase.pair_bytes``."""
-    from .intersect import REMOTE
     codes, weights = [], []
     ranks = set(phase.source.ranks) | set(phase.destination.ranks)
     width = max(ranks, default=0) + 1
     w2 = width * width
     for group in phase._groups:
-        rot = np.array([chunk_of[n] for n in group.tensors], np.int64)
-        n = phase.destination.specs[group.tensors[0]].shape[0]
-        lo = group.items.offsets[:, 0]
-        size = np.maximum(group.items.sizes[:, 0], 1)
-        edges = np.array([n * k // chunks for k in range(chunks + 1)], np.int64)
-        frac = np.clip(np.minimum(lo[None, :] + size[None, :], edges[1:, None]) - np.maximum(lo[None, :], edges[:-1, None]),
-                       0, None) / size[None, :]  # [band, item]: the share of the item's rows in each band
-        fixed = np.flatnonzero((group.items.kind == REMOTE) & (group.choice_of < 0))
-        if len(fixed):
-            pair = group.rank[fixed] * width + group.dst_rank[fixed]
-            per_rot = np.zeros((chunks, len(fixed)))  # bytes of each item summed over tensors of one rotation
-            np.add.at(per_rot, rot, np.broadcast_to(group.nbytes[:, fixed], (len(rot), len(fixed))))
-            for r in np.flatnonzero(per_rot.any(axis=1)).tolist():
-                for band in range(chunks):
-                    codes.append(((band + r) % chunks) * w2 + pair)
-                    weights.append(per_rot[r] * frac[band, fixed])
-        if len(group.choice_cols):
-            cols = group.choice_cols
-            pair = (group.choice_rank * width + group.dst_rank[cols][None, :]).ravel()
-            nb = np.broadcast_to(group.nbytes[:, cols], group.choice_rank.shape)
-            for band in range(chunks):
-                if not frac[band, cols].any():
-                    continue
-                chunk = ((band + rot) % chunks)[:, None]
-                codes.append((np.broadcast_to(chunk * w2, group.choice_rank.shape)).ravel() + pair)
-                weights.append((nb * frac[band, cols][None, :]).ravel())
+        bands = [chunk_of[n] for n in group.tensors]
+        for count in sorted({b.count for b in bands}):  # tensors alike in this phase share a band count
+            pick = np.array([b.count == count for b in bands])
+            rot = np.array([b.rotation for b in bands], np.int64)[pick]
+            n = phase.destination.specs[group.tensors[0]].shape[0]
+            frac = Bands(0, count).chunk_shares(n, chunks, group.items.offsets[:, 0], group.items.sizes[:, 0])
+            _add_chunk_codes(group, pick, rot, frac, chunks, width, codes, weights)
     out: list[dict[tuple[int, int], int]] = [{} for _ in range(chunks)]
     if not codes:
         return out
@@ -341,6 +397,35 @@ def chunk_pair_bytes(phase: Plan, chunk_of: Mapping[str, int], chunks: int) -> l
         if value > 0.5 and (key % w2) // width != key % width:
             out[key // w2][((key % w2) // width, key % width)] = int(round(value))
     return out
+
+
+def _add_chunk_codes(group, pick: np.ndarray, rot: np.ndarray, frac: np.ndarray, chunks: int, width: int,
+                     codes: list, weights: list) -> None:
+    """Append the (chunk, pair) codes and byte weights of ``group``'s remote items for its tensors
+    ``pick`` (rotations ``rot``; ``frac[chunk, item]``: the item's share in each chunk at rotation 0)."""
+    from .intersect import REMOTE
+    w2 = width * width
+    nbytes = group.nbytes if group.nbytes.shape[0] == 1 else group.nbytes[pick]
+    fixed = np.flatnonzero((group.items.kind == REMOTE) & (group.choice_of < 0))
+    if len(fixed):
+        pair = group.rank[fixed] * width + group.dst_rank[fixed]
+        per_rot = np.zeros((chunks, len(fixed)))  # bytes of each item summed over tensors of one rotation
+        np.add.at(per_rot, rot, np.broadcast_to(nbytes[:, fixed], (len(rot), len(fixed))))
+        for r in np.flatnonzero(per_rot.any(axis=1)).tolist():
+            for c in range(chunks):
+                codes.append(((c + r) % chunks) * w2 + pair)
+                weights.append(per_rot[r] * frac[c, fixed])
+    if len(group.choice_cols):
+        cols = group.choice_cols
+        ranks = group.choice_rank[pick]
+        pair = (ranks * width + group.dst_rank[cols][None, :]).ravel()
+        nb = np.broadcast_to(nbytes[:, cols], ranks.shape)
+        for c in range(chunks):
+            if not frac[c, cols].any():
+                continue
+            chunk = ((c + rot) % chunks)[:, None]
+            codes.append((np.broadcast_to(chunk * w2, ranks.shape)).ravel() + pair)
+            weights.append((nb * frac[c, cols][None, :]).ravel())
 
 
 def cross_domain_bytes(pair_bytes: Mapping[tuple[int, int], int], domains: Mapping[int, int]) -> dict[int, int]:
