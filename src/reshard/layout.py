@@ -115,6 +115,7 @@ class Layout:
         self._by_rank: dict[int, list[tuple[str, int]]] | None = None
         self._dtypes: dict[str, torch.dtype | None] | None = None
         self._uniform_answers: dict[tuple[torch.dtype, int], BufferDtypes] = {}  # shared by tensors alike
+        self._dtype_answers: dict[str, tuple[PieceTable, BufferDtypes]] = {}  # name -> (its table, answer)
         if validate is None:
             validate = sum(len(t) for t in self.tables.values()) <= VALIDATE_MAX_PIECES
         if validate:
@@ -343,8 +344,19 @@ class Layout:
         >>> found = lay.buffer_dtypes("w")
         >>> found.uniform, found.itemsize, found.itemsizes.tolist()
         (torch.bfloat16, 2, [2, 2])
+
+        Answers are kept per tensor with the table they were worked out from: a table replaced in
+        ``tables`` (builders do that in place) is worked out anew.
         """
         table = self.tables[name]
+        hit = self._dtype_answers.get(name)
+        if hit is not None and hit[0] is table:
+            return hit[1]
+        answer = self._buffer_dtypes_of(table)
+        self._dtype_answers[name] = (table, answer)
+        return answer
+
+    def _buffer_dtypes_of(self, table: PieceTable) -> BufferDtypes:
         # the answers that need no look at the pieces: one dtype everywhere, or one buffer name whose
         # dtype every rank agrees on
         fast = self._single_dtype

@@ -142,11 +142,13 @@ def rank_weight_bytes(layout: Layout) -> dict[int, int]:
     >>> sorted(held) == lay.destination_ranks, round(max(held.values()) / 1e9, 2), round(lay.arch.nbytes / 4e9, 2)
     (True, 4.1, 4.1)
     """
-    alike: dict[tuple, list] = {}  # (geometry, bytes per element) -> [a table, its itemsizes, how many tensors]
+    # (ranks and sizes arrays, bytes per element) -> [a table, its itemsizes, how many tensors]; tables
+    # alike share their arrays, and every table stays alive while this runs: ids are unique
+    alike: dict[tuple, list] = {}
     for name, t in layout.tables.items():
         if len(t):
             found = layout.buffer_dtypes(name)
-            key = (t.geometry_key(), found.uniform.itemsize) if found.uniform is not None else (name,)
+            key = (id(t.ranks), id(t.sizes), found.uniform.itemsize) if found.uniform is not None else (name,)
             hit = alike.get(key)
             if hit is None:
                 alike[key] = [t, found.itemsizes, 1]

@@ -26,16 +26,22 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Mapping, Sequence
 
-import matplotlib
+import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-from matplotlib.colors import LogNorm  # noqa: E402
+from .estimate import Estimate
+from .topology import Placement, Topology
+from .traffic import LINK_LABEL, LINKS, Traffic
 
-from .estimate import Estimate  # noqa: E402
-from .topology import Placement, Topology  # noqa: E402
-from .traffic import LINK_LABEL, LINKS, Traffic  # noqa: E402
+
+def _pyplot():
+    """``matplotlib.pyplot`` on the Agg backend, imported on the first plot (not with the modeling
+    package: a command that draws nothing does not pay for it)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 _COLORS = {"nic_out": "#1f77b4", "nic_in": "#ff7f0e", "nvlink_out": "#2ca02c", "nvlink_in": "#9467bd"}
 
@@ -70,7 +76,7 @@ def save_figure(fig, path: str | Path, dpi: int = 110) -> Path:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=dpi)
-    plt.close(fig)
+    _pyplot().close(fig)
     return path
 
 
@@ -95,10 +101,12 @@ def plot_pair_bytes(pair_bytes: Mapping[tuple[int, int], float], path: str | Pat
             grid[row[s], col[d]] += b
     total = grid.sum()
     scale, unit = _unit(grid.max() if grid.size else 0.0)
-    fig, ax = plt.subplots(figsize=(min(4 + 0.18 * len(db), 16), min(3 + 0.16 * len(sb), 14)))
+    fig, ax = _pyplot().subplots(figsize=(min(4 + 0.18 * len(db), 16), min(3 + 0.16 * len(sb), 14)))
     shown = np.ma.masked_where(grid <= 0, grid / scale)
     if shown.count():
         lo, hi = shown.min(), shown.max()
+        from matplotlib.colors import LogNorm
+
         norm = LogNorm(vmin=lo, vmax=hi) if hi > lo else None
         im = ax.imshow(shown, aspect="auto", interpolation="nearest", cmap="viridis", norm=norm)
         fig.colorbar(im, ax=ax, label=f"{unit} per {'block pair' if len(sb) < len(srcs) or len(db) < len(dsts) else 'pair'}")
@@ -149,7 +157,7 @@ def plot_link_load(traffic: Traffic, path: str | Path, topology: Topology | None
     labels = [str(gpus[g[0]]) if len(g) == 1 else f"{gpus[g[0]]}-{gpus[g[-1]]}" for g in groups]
     vals = {k: np.array([secs[k][g].max() for g in groups]) for k in kinds}
     n, w = len(groups), 0.8 / len(kinds)
-    fig, ax = plt.subplots(figsize=(min(5 + 0.28 * n * len(kinds) / 2, 18), 5))
+    fig, ax = _pyplot().subplots(figsize=(min(5 + 0.28 * n * len(kinds) / 2, 18), 5))
     x = np.arange(n)
     for i, k in enumerate(kinds):
         ax.bar(x + (i - (len(kinds) - 1) / 2) * w, vals[k], w, label=LINK_LABEL[k], color=_COLORS[k])

@@ -34,6 +34,7 @@ replicas frameworks make. Partially overlapping boxes are planned as they are.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from bisect import bisect_right
 from functools import cached_property
@@ -488,9 +489,7 @@ def hierarchical_plan(source: Layout, destination: Layout, domains: Mapping[int,
     domains = {int(r): int(d) for r, d in domains.items()}
     receivers, rest = split_receivers(destination, domains)
     if split_bytes == AUTO:
-        total = sum(int((t.sizes.prod(axis=1)).sum()) * itemsize(receivers.specs[n].dtype)
-                    for n, t in receivers.tables.items() if len(t))
-        split_bytes = max(total // (8 * max(len(source.ranks), 1)), 1)
+        split_bytes = max(_total_bytes(receivers) // (8 * max(len(source.ranks), 1)), 1)
     if split_bytes is not None:
         receivers = split_across_replicas(receivers, source, int(split_bytes))
     seeds, relayed = split_relays(receivers, source, domains) if relay else (receivers, None)
@@ -498,6 +497,19 @@ def hierarchical_plan(source: Layout, destination: Layout, domains: Mapping[int,
     relay_plan = None if relayed is None else Plan(seeds, relayed, max_bucket_bytes=max_bucket_bytes, domains=domains)
     forward = Plan(receivers, rest, max_bucket_bytes=max_bucket_bytes, domains=domains)
     return HierarchicalPlan(source, destination, network, forward, domains, relay_plan)
+
+
+def _total_bytes(layout: Layout) -> int:
+    """Bytes of all pieces of ``layout`` (in the tensors' dtypes); tables sharing a sizes array are
+    summed once (by identity: every table stays alive while this runs)."""
+    elements: dict[int, list] = {}  # id of a sizes array -> [elements of its pieces, {itemsize: tensors}]
+    for name, t in layout.tables.items():
+        if len(t):
+            hit = elements.get(id(t.sizes))
+            if hit is None:
+                hit = elements[id(t.sizes)] = [int(t.sizes.prod(axis=1).sum()), defaultdict(int)]
+            hit[1][itemsize(layout.specs[name].dtype)] += 1
+    return sum(n * isz * k for n, by_size in elements.values() for isz, k in by_size.items())
 
 
 def _source_copies(st: PieceTable, cache: dict | None = None) -> int:
@@ -580,8 +592,9 @@ def split_receivers(destination: Layout, domains: Mapping[int, int]) -> tuple[La
     offsets_of: dict = {}  # restricted buffer offsets, shared by tables alike
     for gi, (names, t, single, clusters) in enumerate(geoms):
         cache: dict[tuple[int, ...], tuple] = {}
+        orders = [dealt[(gi, ci)] for ci in range(len(clusters))]
         for i, name in enumerate(names):
-            chosen = tuple(dealt[(gi, ci)][i % len(dealt[(gi, ci)])] for ci in range(len(clusters)))
+            chosen = tuple(order[i % len(order)] for order in orders)
             hit = cache.get(chosen)
             if hit is None:
                 keep = single.copy()
@@ -630,23 +643,28 @@ def split_across_replicas(receivers: Layout, source: Layout, split_bytes: int) -
     from another replica)."""
     tables = dict(receivers.tables)
     copies: dict = {}  # source tables with the same boxes hold as many copies
-    cuts: dict = {}  # tables of the same arrays (shared by the receivers' split) are cut alike
+    replicas_of: dict = {}  # source tables of the same arrays: the same answer, by identity
+    cuts: dict = {}  # tables of the same arrays (shared by the receivers' split) are cut alike (None: not cut)
     for name, t in receivers.tables.items():
         if not len(t):
             continue
         st = source.tables[name]
-        replicas = _source_copies(st, copies)
+        src_key = (id(st.offsets), id(st.sizes))
+        replicas = replicas_of.get(src_key)
+        if replicas is None:  # every table stays alive while this runs: ids are unique
+            replicas = replicas_of[src_key] = _source_copies(st, copies)
         if replicas < 2:
             continue
         isz = itemsize(receivers.specs[name].dtype)
-        nbytes = t.sizes.prod(axis=1) * isz
-        big = np.flatnonzero(nbytes >= split_bytes)
-        if not len(big):
-            continue
         key = (id(t.ranks), id(t.offsets), id(t.sizes), id(t.buffer_offsets), replicas, isz)
-        cut = cuts.get(key)
-        if cut is None:  # every table stays alive while this runs: ids are unique
-            cut = cuts[key] = _cut_rows(t, nbytes, split_bytes, replicas)
+        if key in cuts:
+            cut = cuts[key]
+        else:
+            nbytes = t.sizes.prod(axis=1) * isz
+            big = (nbytes >= split_bytes).any()
+            cut = cuts[key] = _cut_rows(t, nbytes, split_bytes, replicas) if big else None
+        if cut is None:
+            continue
         idx, ranks, offsets, sizes, boffs = cut
         b = t.one_buffer()
         names = Repeated(b, len(idx)) if b is not None else tuple(t.buffers[i] for i in idx.tolist())
@@ -760,9 +778,10 @@ def split_relays(receivers: Layout, source: Layout, domains: Mapping[int, int]) 
     offsets_of: dict = {}  # restricted buffer offsets, shared by tables alike
     for names, t, boxes, dealt in found:
         if not boxes:
+            none = _rows_of(t, empty)  # tensors with no piece relayed share the empty arrays
             for name in names:
                 seeds[name] = receivers.tables[name]
-                relayed[name] = _subset(receivers.tables[name], empty, _rows_of(t, empty))
+                relayed[name] = _subset(receivers.tables[name], empty, none)
             continue
         dealt.sort(key=lambda o: o[0])
         patterns, which = np.unique(np.concatenate([rows for _, rows in dealt], axis=1), axis=0, return_inverse=True)

@@ -40,7 +40,7 @@ from typing import Iterator, Mapping, Protocol
 import numpy as np
 
 from ..gc_pause import without_gc
-from ..layout import Layout
+from ..layout import Layout, Repeated
 from ..tensors import LayoutError, dtype_class, is_int
 from .geometry_groups import GeometryGroup, group_tensors
 from .intersect import FANOUT, LOCAL, REMOTE
@@ -327,13 +327,15 @@ class Plan:
             items = group.items
             for array in (items.kind, items.dst_piece, items.offsets, items.sizes, group.piece, group.rank,
                           group.dst_rank, group.nbytes, group.choice_cols, group.choice_piece, group.choice_rank):
-                digest.update(np.ascontiguousarray(array).tobytes())
+                digest.update(np.ascontiguousarray(array))  # its memory: the bytes of tobytes()
+            chunks = []  # the tensors' names, buffer names and offsets, hashed in one update
             for name in group.tensors:
-                digest.update(name.encode() + b"\0")
+                chunks.append(name.encode() + b"\0")
                 for layout in (self.source, self.destination):
                     table = layout.tables[name]
-                    digest.update("\0".join(table.buffers).encode())
-                    digest.update(table.buffer_offsets.tobytes())
+                    chunks.append(_joined(table.buffers).encode())
+                    chunks.append(table.buffer_offsets.tobytes())
+            digest.update(b"".join(chunks))
         for layout in (self.source, self.destination):
             texts: dict[int, bytes] = {}  # id of a shared mapping -> its text (ranks alike share one)
             for rank in layout.ranks:
@@ -359,6 +361,13 @@ class Plan:
     def _round_quotas(self) -> Mapping[tuple[int, int], int | None]:
         """Each stream's per-round quota, empty without a cap (one round)."""
         return self.quotas if self.max_bucket_bytes is not None else {}
+
+
+def _joined(names) -> str:
+    """``"\\0".join(names)``, without a pass over a :class:`Repeated` name."""
+    if type(names) is Repeated:
+        return ((names.name + "\0") * names.n)[:-1]
+    return "\0".join(names)
 
 
 def plan(source: Layout, destination: Layout, *, max_bucket_bytes: int | None = None,
