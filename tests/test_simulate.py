@@ -10,7 +10,8 @@ from dataclasses import replace
 import pytest
 
 from reshard.apps.cli import main
-from reshard.apps.simulate import CASES, METHODS, plot, rank_weight_bytes, simulate_case, to_json
+from reshard.apps.simulate import (CASES, METHODS, default_jobs, plot, rank_weight_bytes, simulate_case,
+                                   simulate_cases, to_json)
 from reshard.frameworks.parallel import model_layouts
 
 KNOWN = {c.key: c for c in CASES}
@@ -50,6 +51,15 @@ def test_independent_engines_need_the_model_once_per_engine(qwen30):
     assert 60 < one.figures["cross_domain_bytes"] / 1e9 < 70
     assert "independent" in engines.case.infer and not engines.case.differs
     assert "not the published arrangement" in one.case.differs
+
+
+@pytest.mark.timeout(300)  # two spawned workers import torch (seconds each on a busy machine)
+def test_rows_in_parallel_give_the_figures_of_one_process(qwen30):
+    cases = [KNOWN["qwen30-h100-1dep"], KNOWN["qwen30-h100"]]
+    parallel = simulate_cases(cases, jobs=2)
+    assert [r.case.key for r in parallel] == [c.key for c in cases]  # the order asked for, not the order run
+    assert [to_json(r) for r in parallel] == [to_json(r) for r in reversed(qwen30)]
+    assert default_jobs(1) == 1 and default_jobs(100) >= 1
 
 
 def test_a_setup_whose_weights_exceed_a_gpu_is_not_timed(capsys):

@@ -168,7 +168,7 @@ def _plan(args) -> int:
 def _simulate(args) -> int:
     from rich.console import Console
 
-    from .simulate import CASES, plot, render, simulate_case, to_json
+    from .simulate import CASES, default_jobs, plot, render, simulate_cases, to_json
 
     console = Console(width=max(Console().width, 160))
     keys = [k.strip() for k in args.cases.split(",") if k.strip()]
@@ -181,11 +181,10 @@ def _simulate(args) -> int:
     # the modeled refits' options: the staging cap per GPU (an OptionsError naming --bucket-mb reaches main);
     # --precision is not among them: it overrides each case's own destination precision (None: the case's)
     options = refit_options(AUTO, max_bucket_bytes=staging_cap(args.bucket_mb, "--bucket-mb", none=False))
-    results = []
-    for key in keys:
-        with console.status(f"planning and modeling {key} ..."):
-            results.append(simulate_case(known[key], max_bucket_bytes=options.max_bucket_bytes,
-                                         precision=args.precision))
+    jobs = default_jobs(len(keys)) if args.jobs is None else min(args.jobs, len(keys))
+    with console.status(f"planning and modeling {len(keys)} case(s), {jobs} at a time ..."):
+        results = simulate_cases([known[key] for key in keys], jobs=jobs, max_bucket_bytes=options.max_bucket_bytes,
+                                 precision=args.precision)
     what = f"{args.precision.upper()} destination" if args.precision else "destination precision per case"
     render(results, console, f"modeled refit time (staging cap {args.bucket_mb:g} MiB per GPU; {what})")
     png = f"{args.out}/simulate.png" if args.png is None else args.png

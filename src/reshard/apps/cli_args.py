@@ -364,6 +364,9 @@ def simulate_parser(sub) -> argparse.ArgumentParser:
                         "as a refit session given the same cap (default %(default)s: rounds of 1 GiB)")
     parser.add_argument("--json", default=None,
                    help="also write the results as JSON here: per case the fields of `reshard plan --json`")
+    parser.add_argument("--jobs", type=_positive, default=None,
+                   help="rows simulated at once, each in its own process (default: one per core, as many as "
+                        "memory holds at about 6 GiB a row); the figures do not depend on it")
     parser.add_argument("--precision", choices=("bf16", "fp8"), default=None,
                    help="destination precision of every row: bf16 or fp8 (e4m3, 128x128 block scales, as "
                         "`reshard plan --precision`); default: each case's own (the Kimi-K2 rows fp8, as "

@@ -43,15 +43,19 @@ inference pools on separate machines, as in the published setups. Pure: no proce
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from ..frameworks.parallel import ModelLayouts, model_layouts
+from ..frameworks.parallel import InferParallel, ModelLayouts, TrainParallel, model_layouts
 from ..gc_pause import without_gc
 from ..layout import Layout
+from ..models import get_arch
 from ..modeling.pipeline import RefitModel
 from ..modeling.topology import Placement, Topology
 from ..planning.precision import DtypePolicy, PrecisionPlan, precision_layout
@@ -323,6 +327,51 @@ def simulate_case(case: Case, *, max_bucket_bytes: int = 2 * GiB, gather_bucket_
     return Result(case, figures, None, plan_s, precision=prec)
 
 
+ROW_MEMORY_BYTES = 6 * GiB  # about the most one row holds at once (moe2.4t-2048: 5.2 GB peak RSS measured)
+
+
+def default_jobs(num_cases: int) -> int:
+    """Rows simulated at once by default: one per core, as many as memory holds (a row can take
+    :data:`ROW_MEMORY_BYTES`), at most one per case."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        memory = ROW_MEMORY_BYTES
+    return max(1, min(cores, memory // ROW_MEMORY_BYTES, num_cases))
+
+
+def size_hint(case: Case) -> int:
+    """A rough size of a row's planning work, to start the biggest rows first: tensors (layers x
+    experts) x GPUs on both sides, twice for FP8 (a precision plan beside the BF16 one).
+
+    >>> big, small = (next(c for c in CASES if c.key == k) for k in ("moe2.4t-h100", "qwen30-h100"))
+    >>> size_hint(big) > size_hint(small)
+    True
+    """
+    arch = get_arch(case.model)
+    gpus = TrainParallel.parse(case.train).world + InferParallel.parse(case.infer).world
+    return arch.layers * max(arch.experts, 1) * gpus * (2 if case.precision == "fp8" else 1)
+
+
+def simulate_cases(cases, *, jobs: int = 1, **options) -> list[Result]:
+    """:func:`simulate_case` of every case (``options`` as it takes them), in up to ``jobs``
+    processes at once, the biggest rows first (:func:`size_hint`); results in the order of ``cases``.
+    The figures do not depend on ``jobs``: each row is planned and modeled alone, as in one process.
+
+    A worker that dies (out of memory, killed) raises ``BrokenProcessPool`` here, naming no row's
+    figures as done.
+    """
+    cases = list(cases)
+    if jobs <= 1 or len(cases) <= 1:
+        return [simulate_case(c, **options) for c in cases]
+    order = sorted(range(len(cases)), key=lambda i: -size_hint(cases[i]))
+    # spawn, not fork: the parent has imported torch, whose thread pools a forked child must not inherit
+    with ProcessPoolExecutor(min(jobs, len(cases)), mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {i: pool.submit(simulate_case, cases[i], **options) for i in order}
+        return [futures[i].result() for i in range(len(cases))]
+
+
 def _s(v: float | None, fmt: str = ".3f") -> str:
     return "-" if v is None else f"{v:{fmt}}"
 
@@ -422,5 +471,6 @@ def plot(results: list[Result], path: str | Path) -> Path:
     return save_figure(fig, path, dpi=120)
 
 
-__all__ = ["CASES", "Case", "METHODS", "PRECISIONS", "Result", "check_precision", "fit", "fp8_line", "fp8_problem",
-           "model_figures", "plot", "precision_figures", "rank_weight_bytes", "render", "simulate_case", "to_json"]
+__all__ = ["CASES", "Case", "METHODS", "PRECISIONS", "Result", "check_precision", "default_jobs", "fit", "fp8_line",
+           "fp8_problem", "model_figures", "plot", "precision_figures", "rank_weight_bytes", "render", "simulate_case",
+           "simulate_cases", "size_hint", "to_json"]
