@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import reshard as rs
-from reshard.planning.hierarchy import domain_need_bytes, hierarchical_plan
+from reshard.planning.hierarchy import domain_need_bytes, hierarchical_plan, seed_count
 
 try:
     import strategies as S
@@ -158,3 +158,22 @@ def test_boxes_more_domains_need_than_sources_hold_are_relayed_between_domains()
     assert_exact(case, run(case, h))
     flat = hierarchical_plan(src, dst, domains, split_bytes=None, relay=False)
     assert flat.relay is None and max(flat.network.send_bytes.values()) == 3 * spec.nbytes
+
+
+def test_seeds_balance_the_sources_against_the_relays():
+    """An LM head on 16 training ranks (two domains), needed by 36 TP4 inference domains: each TP
+    slice takes sqrt(16 copies x 36 domains / 4 GPUs) = 12 seeds, not 16, so the training NICs
+    (which also carry the experts only they hold) send the head 12 times and the idle inference
+    NICs relay it to the other 24 domains."""
+    assert seed_count(16, 36, 4) == 12
+    spec = rs.TensorSpec("lm_head.weight", (64, 8), torch.bfloat16)
+    src = rs.Layout.from_placements(spec, list(range(16)), (16,), [rs.Replicate()])
+    dst = rs.Layout.merge([rs.Layout.from_placements(spec, list(range(16 + 4 * d, 20 + 4 * d)), (4,), [rs.Shard(0)])
+                           for d in range(36)])
+    domains = {r: r // 8 for r in range(16)} | {r: 2 + (r - 16) // 4 for r in range(16, 16 + 4 * 36)}
+    h = hierarchical_plan(src, dst, domains, split_bytes=None)
+    assert sum(h.network.send_bytes.values()) == 12 * spec.nbytes
+    assert h.relay.wire_bytes == 24 * spec.nbytes
+    assert h.cross_domain_bytes == {d: spec.nbytes for d in range(2, 38)}
+    case = S.Case(None, src, dst, S.full_tensors([spec]))
+    assert_exact(case, run(case, h))

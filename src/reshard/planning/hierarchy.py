@@ -16,8 +16,9 @@ each need all of it, domains ``{2, 3}`` and ``{4, 5}``::
     phase 2   2 -> 3  w      4 -> 5  w     NVLink
 
 A *relay* phase goes between them when more domains need a box than the sources hold copies
-of it (:func:`split_relays`): the sources send it to as many *seed* domains as they hold
-copies, and the seeds' receivers send it on to the other domains' over the network, whose
+of it (:func:`split_relays`): the sources send it to a few *seed* domains (:func:`seed_count`:
+between one and as many as they hold copies, balancing the sources' NICs against the seeds'),
+and the seeds' receivers send it on to the other domains' over the network, whose
 inference-side NICs are otherwise idle in phase 1. A seed sends its box several times, so seeds
 are spread per box and per tensor over the ranks, balancing what each NIC sends on: with 8
 independent engines, slice t of each expert seeds on the GPUs holding slice t in turn.
@@ -673,11 +674,31 @@ def split_across_replicas(receivers: Layout, source: Layout, split_bytes: int) -
     return _with_tables(receivers, tables)
 
 
-def _relay_boxes(t: PieceTable, st: PieceTable, dom: np.ndarray, copies: int) -> list[tuple[np.ndarray, int]]:
+def seed_count(copies: int, domains: int, gpus: float) -> int:
+    """How many seed domains take a box from the sources when ``domains`` domains need it, the
+    sources hold ``copies`` of it and a seed domain relays it from ``gpus`` GPUs.
+
+    With ``s`` seeds, each source replica sends ``s / copies`` of the box, and each GPU of a seed
+    domain relays ``(domains - s) / (s * gpus)`` of it: the two are equal near
+    ``s = sqrt(copies * domains / gpus)``. Fewer seeds load the relays (one seed per box: a seed's
+    NIC sends the box to every other domain), more load the sources, whose NICs also carry what
+    only they hold (a last pipeline stage: its experts and the LM head). At most ``copies``.
+
+    >>> seed_count(64, 128, 8)    # an LM head on 64 training GPUs, 128 TP8 inference domains
+    32
+    >>> seed_count(1, 8, 8), seed_count(4, 4, 8)
+    (1, 2)
+    """
+    return int(min(copies, max(1, np.ceil(np.sqrt(copies * domains / max(gpus, 1))))))
+
+
+def _relay_boxes(t: PieceTable, st: PieceTable, dom: np.ndarray, copies: int, gpus: np.ndarray
+                 ) -> list[tuple[np.ndarray, int]]:
     """The boxes of one receivers table that need a relay: per box, its *members* (the rows of the
     domains that hold no source piece of the tensor, one per domain, in domain order) and how
-    many of them are seeds (the source copies not already taken by domains that fetch anyway);
-    ``copies``: :func:`_source_copies` of ``st``."""
+    many of them are seeds (:func:`seed_count` of the source copies not already taken by domains
+    that fetch anyway); ``copies``: :func:`_source_copies` of ``st``; ``gpus``: the receivers'
+    ranks in each domain."""
     if len(t) <= copies:
         return []
     boxes = np.concatenate([t.offsets, t.sizes], axis=1)
@@ -689,6 +710,8 @@ def _relay_boxes(t: PieceTable, st: PieceTable, dom: np.ndarray, copies: int) ->
     for b in np.flatnonzero(counts > copies).tolist():
         members = np.flatnonzero((inv == b) & ~holds)
         extra = max(copies - int(((inv == b) & holds).sum()), 0)  # seeds besides the domains that fetch anyway
+        if extra:
+            extra = seed_count(extra, len(members), float(gpus[dom[t.ranks[members]]].mean()))
         if len(members) > extra:
             out.append((members[np.argsort(dom[t.ranks[members]], kind="stable")], extra))
     return out
@@ -723,9 +746,10 @@ def _dealt_seeds(members: np.ndarray, extra: int, n: int, units: int = SEED_UNIT
 
 def split_relays(receivers: Layout, source: Layout, domains: Mapping[int, int]) -> tuple[Layout, Layout | None]:
     """(seeds, relayed): receivers of boxes that more domains need than the sources hold copies of
-    are cut into as many seeds as there are copies and the rest, which take the box from a seed
-    over the network instead of from a source (a training stage holding the LM head on 64 ranks
-    then sends it 64 times, not once per inference domain). ``relayed`` is None when no box needs it.
+    are cut into :func:`seed_count` seeds and the rest, which take the box from a seed over the
+    network instead of from a source (a training stage holding the LM head on 64 ranks, 128 TP8
+    inference domains needing it: the stage sends it 32 times, not once per inference domain).
+    ``relayed`` is None when no box needs it.
 
     A seed sends its box on to (members - seeds) / seeds domains, so seeds are chosen to balance
     those relay sends over the GPUs: biggest boxes first, each to the members with the least relay
@@ -734,6 +758,7 @@ def split_relays(receivers: Layout, source: Layout, domains: Mapping[int, int]) 
     one GPU (its NIC would send that slice of the whole model again and again).
     """
     dom = domain_array(domains, receivers.ranks)
+    gpus = np.bincount(dom[np.asarray(receivers.ranks, np.int64)]) if len(receivers.ranks) else np.zeros(0, np.int64)
     groups: dict[tuple, list[str]] = {}
     held: dict[int, bytes] = {}
     for name, t in receivers.tables.items():
@@ -755,7 +780,7 @@ def split_relays(receivers: Layout, source: Layout, domains: Mapping[int, int]) 
         alike = (t.offsets.shape, dom[t.ranks].tobytes(), t.offsets.tobytes(), t.sizes.tobytes(), n, key[-1])
         boxes = relays.get(alike)
         if boxes is None:  # its boxes' rows depend on nothing else
-            boxes = relays[alike] = _relay_boxes(t, st, dom, n)
+            boxes = relays[alike] = _relay_boxes(t, st, dom, n, gpus)
         isz = sum(itemsize(receivers.specs[n].dtype) for n in names)
         for bi, (members, _) in enumerate(boxes):
             work.append((-int(t.sizes[members[0]].prod()) * isz, gi, bi))
