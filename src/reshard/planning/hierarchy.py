@@ -376,13 +376,18 @@ def chunk_pair_bytes(phase: Plan, chunk_of: Mapping[str, Bands], chunks: int) ->
     ranks = set(phase.source.ranks) | set(phase.destination.ranks)
     width = max(ranks, default=0) + 1
     w2 = width * width
+    shares: dict[tuple, np.ndarray] = {}  # groups sharing their items (and rows, band count) share the shares
     for group in phase._groups:
         bands = [chunk_of[n] for n in group.tensors]
         for count in sorted({b.count for b in bands}):  # tensors alike in this phase share a band count
             pick = np.array([b.count == count for b in bands])
             rot = np.array([b.rotation for b in bands], np.int64)[pick]
             n = phase.destination.specs[group.tensors[0]].shape[0]
-            frac = Bands(0, count).chunk_shares(n, chunks, group.items.offsets[:, 0], group.items.sizes[:, 0])
+            key = (id(group.items), n, count)  # every group stays alive while this runs: ids are unique
+            frac = shares.get(key)
+            if frac is None:
+                frac = shares[key] = Bands(0, count).chunk_shares(n, chunks, group.items.offsets[:, 0],
+                                                                   group.items.sizes[:, 0])
             _add_chunk_codes(group, pick, rot, frac, chunks, width, codes, weights)
     out: list[dict[tuple[int, int], int]] = [{} for _ in range(chunks)]
     if not codes:
@@ -409,25 +414,24 @@ def _add_chunk_codes(group, pick: np.ndarray, rot: np.ndarray, frac: np.ndarray,
     w2 = width * width
     nbytes = group.nbytes if group.nbytes.shape[0] == 1 else group.nbytes[pick]
     fixed = np.flatnonzero((group.items.kind == REMOTE) & (group.choice_of < 0))
-    if len(fixed):
+    every = np.arange(chunks)
+    if len(fixed):  # codes and weights ordered [rotation, chunk, item]
         pair = group.rank[fixed] * width + group.dst_rank[fixed]
         per_rot = np.zeros((chunks, len(fixed)))  # bytes of each item summed over tensors of one rotation
         np.add.at(per_rot, rot, np.broadcast_to(nbytes[:, fixed], (len(rot), len(fixed))))
-        for r in np.flatnonzero(per_rot.any(axis=1)).tolist():
-            for c in range(chunks):
-                codes.append(((c + r) % chunks) * w2 + pair)
-                weights.append(per_rot[r] * frac[c, fixed])
-    if len(group.choice_cols):
+        used = np.flatnonzero(per_rot.any(axis=1))
+        chunk = (every[None, :] + used[:, None]) % chunks  # [rotation, chunk]
+        codes.append((chunk[:, :, None] * w2 + pair[None, None, :]).ravel())
+        weights.append((per_rot[used][:, None, :] * frac[:, fixed][None, :, :]).ravel())
+    if len(group.choice_cols):  # codes and weights ordered [chunk, instance, column]
         cols = group.choice_cols
         ranks = group.choice_rank[pick]
-        pair = (ranks * width + group.dst_rank[cols][None, :]).ravel()
-        nb = np.broadcast_to(nbytes[:, cols], ranks.shape)
-        for c in range(chunks):
-            if not frac[c, cols].any():
-                continue
-            chunk = ((c + rot) % chunks)[:, None]
-            codes.append((np.broadcast_to(chunk * w2, ranks.shape)).ravel() + pair)
-            weights.append((nb * frac[c, cols][None, :]).ravel())
+        pair = ranks * width + group.dst_rank[cols][None, :]
+        share = frac[:, cols]
+        used = np.flatnonzero(share.any(axis=1))
+        chunk = (used[:, None] + rot[None, :]) % chunks  # [chunk, instance]
+        codes.append((chunk[:, :, None] * w2 + pair[None, :, :]).ravel())
+        weights.append((np.broadcast_to(nbytes[:, cols], ranks.shape)[None, :, :] * share[used][:, None, :]).ravel())
 
 
 def cross_domain_bytes(pair_bytes: Mapping[tuple[int, int], int], domains: Mapping[int, int]) -> dict[int, int]:
