@@ -2,9 +2,9 @@
 
 Tensors sharing a geometry (same shape, same boxes on the same ranks: every layer's
 ``q_proj``) are one :class:`GeometryGroup`, intersected once and stamped out for each
-of its tensors (its *instances*). Geometries that differ only in which ranks hold the
-source (the expert-parallel groups of every pipeline stage) share one intersection too
-(:func:`items_key`). Planning cost thus grows with the number of distinct geometries,
+of its tensors (its *instances*). Geometries that differ only in their rank numbers (the
+expert-parallel groups of every pipeline stage, each expert into its own inference GPU) share
+one intersection too (:func:`items_key`). Planning cost thus grows with the number of distinct geometries,
 not with the number of pieces.
 
 A group's remote items with one candidate replica have their source fixed here; those
@@ -63,20 +63,31 @@ class GeometryGroup:
 
 
 def items_key(src_table: PieceTable, dst_table: PieceTable) -> bytes:
-    """What :func:`~reshard.planning.intersect.tensor_items` depends on: the boxes of both sides, the
-    destination ranks, which source pieces share a rank, and where source ranks are also
-    destination ranks; not the source rank numbers themselves (expert-parallel groups of
-    every pipeline stage plan alike)."""
-    _, src_rank_ids = np.unique(src_table.ranks, return_inverse=True)
-    dst_ranks = np.unique(dst_table.ranks)
-    at = np.searchsorted(dst_ranks, src_table.ranks)
-    at = np.minimum(at, max(len(dst_ranks) - 1, 0))
-    is_destination = ((dst_ranks[at] == src_table.ranks) if len(dst_ranks)
-                      else np.zeros(len(src_table.ranks), bool))
-    local = np.where(is_destination, at, -1)
+    """What :func:`~reshard.planning.intersect.tensor_items` depends on: the boxes of both sides, which
+    pieces of each side share a rank (and the ranks' order), and where source ranks are also
+    destination ranks; not the rank numbers themselves (intersection reads ranks only to compare and
+    order them): the expert-parallel groups of every pipeline stage, and each expert into its own
+    inference GPU, plan alike."""
+    if len(src_table.ranks) == 1 and len(dst_table.ranks) == 1:  # one piece a side (an expert at scale): no sort
+        src_rank_ids = dst_rank_ids = _FIRST
+        local = _FIRST if src_table.ranks[0] == dst_table.ranks[0] else _NOT_LOCAL
+    else:
+        _, src_rank_ids = np.unique(src_table.ranks, return_inverse=True)
+        dst_ranks, dst_rank_ids = np.unique(dst_table.ranks, return_inverse=True)
+        at = np.searchsorted(dst_ranks, src_table.ranks)
+        at = np.minimum(at, max(len(dst_ranks) - 1, 0))
+        is_destination = ((dst_ranks[at] == src_table.ranks) if len(dst_ranks)
+                          else np.zeros(len(src_table.ranks), bool))
+        local = np.where(is_destination, at, -1)
     return b"|".join([np.array(src_table.offsets.shape, np.int64).tobytes(), src_table.offsets.tobytes(),
                       src_table.sizes.tobytes(), src_rank_ids.astype(np.int64).tobytes(),
-                      local.astype(np.int64).tobytes(), dst_table.geometry_key()])
+                      local.astype(np.int64).tobytes(), np.array(dst_table.offsets.shape, np.int64).tobytes(),
+                      dst_table.offsets.tobytes(), dst_table.sizes.tobytes(),
+                      dst_rank_ids.astype(np.int64).tobytes()])
+
+
+_FIRST = np.zeros(1, np.int64)  # items_key of one piece a side: its rank's id, its place among destinations
+_NOT_LOCAL = np.full(1, -1, np.int64)
 
 
 def _by_geometry(source: Layout, destination: Layout, tensors: list[str]) -> list[list[str]]:
@@ -143,7 +154,7 @@ def group_tensors(source: Layout, destination: Layout, tensors: list[str]) -> li
     for names in _by_geometry(source, destination, tensors):
         first = names[0]
         src_table, dst_table = source.tables[first], destination.tables[first]
-        key = items_key(src_table, dst_table)  # geometries that differ only in which ranks hold the source
+        key = items_key(src_table, dst_table)  # geometries that differ only in their rank numbers
         items = same_boxes.get(key)
         if items is None:
             items = same_boxes[key] = tensor_items(first, src_table, dst_table)
