@@ -360,7 +360,8 @@ def simulate_cases(cases, *, jobs: int = 1, **options) -> list[Result]:
     The figures do not depend on ``jobs``: each row is planned and modeled alone, as in one process.
 
     A worker that dies (out of memory, killed) raises ``BrokenProcessPool`` here, naming no row's
-    figures as done.
+    figures as done. The workers are spawned and import the calling script: call this from under
+    ``if __name__ == "__main__":`` there (``reshard simulate`` does).
     """
     cases = list(cases)
     if jobs <= 1 or len(cases) <= 1:
