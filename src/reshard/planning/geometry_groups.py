@@ -68,16 +68,19 @@ def items_key(src_table: PieceTable, dst_table: PieceTable) -> bytes:
     destination ranks; not the rank numbers themselves (intersection reads ranks only to compare and
     order them): the expert-parallel groups of every pipeline stage, and each expert into its own
     inference GPU, plan alike."""
-    if len(src_table.ranks) == 1 and len(dst_table.ranks) == 1:  # one piece a side (an expert at scale): no sort
-        src_rank_ids = dst_rank_ids = _FIRST
-        local = _FIRST if src_table.ranks[0] == dst_table.ranks[0] else _NOT_LOCAL
+    src_ranks, dst_ranks = src_table.ranks, dst_table.ranks
+    if len(src_ranks) + len(dst_ranks) <= SMALL_TABLES:  # a few pieces (an expert at scale): in Python, no sort
+        dst_order = {r: i for i, r in enumerate(sorted(set(dst_ranks.tolist())))}
+        src_order = {r: i for i, r in enumerate(sorted(set(src_ranks.tolist())))}
+        src_rank_ids = np.array([src_order[r] for r in src_ranks.tolist()], np.int64)
+        dst_rank_ids = np.array([dst_order[r] for r in dst_ranks.tolist()], np.int64)
+        local = np.array([dst_order.get(r, -1) for r in src_ranks.tolist()], np.int64)
     else:
-        _, src_rank_ids = np.unique(src_table.ranks, return_inverse=True)
-        dst_ranks, dst_rank_ids = np.unique(dst_table.ranks, return_inverse=True)
-        at = np.searchsorted(dst_ranks, src_table.ranks)
-        at = np.minimum(at, max(len(dst_ranks) - 1, 0))
-        is_destination = ((dst_ranks[at] == src_table.ranks) if len(dst_ranks)
-                          else np.zeros(len(src_table.ranks), bool))
+        _, src_rank_ids = np.unique(src_ranks, return_inverse=True)
+        dst_unique, dst_rank_ids = np.unique(dst_ranks, return_inverse=True)
+        at = np.searchsorted(dst_unique, src_ranks)
+        at = np.minimum(at, max(len(dst_unique) - 1, 0))
+        is_destination = (dst_unique[at] == src_ranks) if len(dst_unique) else np.zeros(len(src_ranks), bool)
         local = np.where(is_destination, at, -1)
     return b"|".join([np.array(src_table.offsets.shape, np.int64).tobytes(), src_table.offsets.tobytes(),
                       src_table.sizes.tobytes(), src_rank_ids.astype(np.int64).tobytes(),
@@ -86,8 +89,7 @@ def items_key(src_table: PieceTable, dst_table: PieceTable) -> bytes:
                       dst_rank_ids.astype(np.int64).tobytes()])
 
 
-_FIRST = np.zeros(1, np.int64)  # items_key of one piece a side: its rank's id, its place among destinations
-_NOT_LOCAL = np.full(1, -1, np.int64)
+SMALL_TABLES = 16  # items_key works out rank ids in Python up to this many pieces on both sides together
 
 
 def _by_geometry(source: Layout, destination: Layout, tensors: list[str]) -> list[list[str]]:
