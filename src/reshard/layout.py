@@ -224,7 +224,8 @@ class Layout:
             if key not in merged:
                 merged[key] = held[0] if len(set(key)) == 1 else _merged_buffers(r, held)
             bufs[r] = merged[key]
-        tables = {name: tabs[0] if len(tabs) == 1 else concatenated(tabs, len(specs[name].shape))
+        joined: dict = {}  # parts made of the same arrays are joined once (every input table stays alive)
+        tables = {name: tabs[0] if len(tabs) == 1 else concatenated(tabs, len(specs[name].shape), joined)
                   for name, tabs in pieces.items()}
         return Layout(specs, tables, bufs, validate=validate)
 

@@ -147,14 +147,30 @@ def table_of(pieces: Sequence[Piece], ndim: int) -> PieceTable:
     return PieceTable(ranks, offsets, sizes, tuple(p.buffer for p in pieces), boffs)
 
 
-def concatenated(tables: Sequence[PieceTable], ndim: int) -> PieceTable:
-    """One table holding the rows of ``tables`` in turn (one tensor's pieces from several layouts)."""
+def concatenated(tables: Sequence[PieceTable], ndim: int, cache: dict | None = None) -> PieceTable:
+    """One table holding the rows of ``tables`` in turn (one tensor's pieces from several layouts).
+
+    ``cache``: a dict kept over one merge of many tensors, whose tables stay alive meanwhile; parts
+    made of the same arrays (tensors alike share them) are then joined once, and the results shared
+    (read-only, as every table's arrays are)."""
+    def joined(field: str, parts: list, join):
+        if cache is None:
+            return join(parts)
+        # by identity (every part stays alive meanwhile); a Repeated name by value (made per tensor)
+        key = (field, *((p.name, p.n) if type(p) is Repeated else id(p) for p in parts))
+        hit = cache.get(key)
+        if hit is None:
+            hit = cache[key] = join(parts)
+            if isinstance(hit, np.ndarray):
+                hit.flags.writeable = False
+        return hit
+
     return PieceTable(
-        np.concatenate([t.ranks for t in tables]),
-        np.concatenate([t.offsets for t in tables]),
-        np.concatenate([t.sizes for t in tables]),
-        sum((t.buffers for t in tables), ()),
-        _concat_ragged([t.buffer_offsets for t in tables], ndim),
+        joined("ranks", [t.ranks for t in tables], np.concatenate),
+        joined("offsets", [t.offsets for t in tables], np.concatenate),
+        joined("sizes", [t.sizes for t in tables], np.concatenate),
+        joined("buffers", [t.buffers for t in tables], lambda parts: sum(parts, ())),
+        joined("buffer_offsets", [t.buffer_offsets for t in tables], lambda parts: _concat_ragged(parts, ndim)),
     )
 
 
