@@ -3,6 +3,8 @@ only the groups that name it."""
 
 from __future__ import annotations
 
+import pytest
+
 from reshard.frameworks.parallel import InferParallel, model_layouts
 from reshard.frameworks.vllm import vllm_layout
 from reshard.models.arch import get_arch
@@ -31,12 +33,18 @@ def test_a_rank_part_from_its_groups_equals_one_from_every_group():
         assert part == p.for_rank(r)
 
 
-def test_side_by_side_deployments_equal_their_merge():
+@pytest.mark.parametrize("model, infer", [("qwen3-30b-a3b", "tp2,dp2,ep,deployments2"),
+                                          ("qwen3-30b-a3b", "tp2,dp2,deployments3"),
+                                          ("qwen3-30b-a3b", "tp2,dp2,ep,independent,deployments2"),
+                                          ("deepseek-v3", "tp2,dp2,ep,deployments2")])
+def test_side_by_side_deployments_equal_their_merge(model, infer):
+    """Deployments built in one pass hold what each deployment's own layout holds, merged."""
     from reshard.layout import Layout
-    two = InferParallel.parse("tp2,dp2,ep,deployments2")
-    parts = [vllm_layout(get_arch("qwen3-30b-a3b"), range(first, first + 4), 2, 2, expert_parallel=True)
-             for first in (0, 4)]
-    merged, fast = Layout.merge(parts), two.layout("qwen3-30b-a3b")
+    sides = InferParallel.parse(infer)
+    each = sides.tp * sides.dp
+    parts = [vllm_layout(get_arch(model), range(first, first + each), sides.tp, sides.dp, expert_parallel=sides.ep,
+                         independent_engines=sides.independent) for first in range(0, sides.world, each)]
+    merged, fast = Layout.merge(parts), sides.layout(model)
     fast.validate()
-    assert fast.ranks == merged.ranks
+    assert fast.ranks == merged.ranks and list(fast.tables) == list(merged.tables)
     assert all(fast.pieces(r) == merged.pieces(r) and fast.buffers(r) == merged.buffers(r) for r in fast.ranks)

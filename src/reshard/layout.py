@@ -328,6 +328,14 @@ class Layout:
         dtypes = set(self._dtype_by_name().values())
         return next(iter(dtypes)) if len(dtypes) == 1 else None
 
+    def buffer_itemsize(self, name: str) -> int | None:
+        """Bytes per element of the buffer every piece of tensor ``name`` lives in, where they share
+        one buffer name whose dtype every rank agrees on; else None (ask :meth:`buffer_dtypes`). A
+        look-up per tensor, for callers that need only the element size."""
+        one = self.tables[name].one_buffer()
+        dtype = self._single_dtype or (None if one is None else self._dtype_by_name().get(one))
+        return None if dtype is None else dtype.itemsize
+
     def _dtypes_of_pieces(self, table: PieceTable) -> list[torch.dtype]:
         """The dtype of each piece's buffer, by buffer name where every rank agrees on it, else by rank."""
         by_name = self._dtype_by_name()

@@ -254,18 +254,8 @@ class InferParallel(_Sides):
         ranks = range(self.world) if ranks is None else ranks
         if self.framework == "dtensor":
             return tensor_parallel_layout(arch, ranks, self.tp, self.dp, dtype=dtype)
-        ranks, each = list(ranks), self.tp * self.dp
-        parts = [vllm_layout(arch, ranks[d * each:(d + 1) * each], self.tp, self.dp, expert_parallel=self.ep,
-                             dtype=dtype, independent_engines=self.independent) for d in range(self.deployments)]
-        return parts[0] if len(parts) == 1 else _side_by_side(parts)
-
-
-def _side_by_side(parts: list[Layout]) -> Layout:
-    """One layout of ``parts`` that hold the same tensors on disjoint ranks: ``Layout.merge``, validated
-    only up to :data:`~reshard.layout.VALIDATE_MAX_PIECES` pieces since each part comes from a constructor
-    correct by construction (validating always: 70 s of checks for the 2.4 T MoE's two deployments of
-    1024 ranks)."""
-    return Layout.merge(parts, validate=None)
+        return vllm_layout(arch, list(ranks), self.tp, self.dp, expert_parallel=self.ep, dtype=dtype,
+                           independent_engines=self.independent, deployments=self.deployments)
 
 
 @dataclass(frozen=True)

@@ -109,10 +109,10 @@ def expert_owners(experts: int, ep_size: int, placement: str = "linear") -> tupl
 def vllm_layout(arch: Arch, ranks: Sequence[int], tp: int, dp: int = 1, *, expert_parallel: bool = False,
                 dtype: torch.dtype | None = None, independent_engines: bool = False,
                 expert_placement: str = "linear", sequence_parallel_moe: bool | None = None,
-                validate: bool | None = None) -> Layout:
+                validate: bool | None = None, deployments: int = 1) -> Layout:
     """The layout of ``arch``'s weights in ``dp`` vLLM engines of ``tp`` ranks (see module doc).
 
-    ``ranks``: the inference side's global ranks, engine by engine (``len == tp * dp``).
+    ``ranks``: the inference side's global ranks, engine by engine (``len == tp * dp * deployments``).
     ``expert_parallel``: vLLM's ``enable_expert_parallel`` (EP size = the MoE group size).
     ``dtype``: vLLM's model dtype (buffers; default the checkpoint's). DeepSeek's
     ``e_score_correction_bias`` stays float32, as vLLM allocates it.
@@ -129,6 +129,9 @@ def vllm_layout(arch: Arch, ranks: Sequence[int], tp: int, dp: int = 1, *, exper
     all2all backend: expert parallel, ``tp > 1`` and ``data_parallel_size > 1``.
     ``validate``: run :meth:`Layout.validate` (default: only up to 100 k pieces; the layout
     is correct by construction and tests validate it on small configs).
+    ``deployments``: that many copies of the whole arrangement side by side on consecutive ranks, each
+    its own vLLM deployment (its MoE layers over its own ``tp * dp`` ranks); built in one pass, the
+    same layout as the deployments' layouts merged.
 
     Logical tensors: ``model_specs(arch)`` except DeepSeek's multi-token-prediction layers
     (``model.layers.{num_hidden_layers + j}.*``), which vLLM's main model skips when it
@@ -139,7 +142,7 @@ def vllm_layout(arch: Arch, ranks: Sequence[int], tp: int, dp: int = 1, *, exper
     heads, KV heads (or not a multiple of them), intermediate sizes or the padded vocab,
     a wrong number of ranks, ...
     """
-    ranks_arr = check_ranks(ranks, "vLLM layout", tp=tp, dp=dp)
+    ranks_arr = check_ranks(ranks, "vLLM layout", tp=tp, dp=dp, **({"deployments": deployments} if deployments != 1 else {}))
     if expert_placement not in EXPERT_PLACEMENTS:
         raise LayoutError(f"unknown expert placement {expert_placement!r}; choose one of {EXPERT_PLACEMENTS}")
     vllm_dp = 1 if independent_engines else dp
@@ -208,9 +211,9 @@ class _Builder:
         a = arch
         self.ep = expert_parallel
         if independent_engines:  # MoE groups: each engine's tp ranks
-            self.members = np.arange(self.n, dtype=np.int64).reshape(dp, tp)
-        else:  # one group of all tp * dp ranks (vLLM flattens TP across DP)
-            self.members = np.arange(self.n, dtype=np.int64).reshape(1, tp * dp)
+            self.members = np.arange(self.n, dtype=np.int64).reshape(-1, tp)
+        else:  # one group of all tp * dp ranks of each deployment (vLLM flattens TP across DP)
+            self.members = np.arange(self.n, dtype=np.int64).reshape(-1, tp * dp)
         self.group = self.members.shape[1]
         self.moe_rank = np.empty(self.n, np.int64)
         self.moe_rank[self.members] = np.arange(self.group)[None, :]

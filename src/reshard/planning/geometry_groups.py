@@ -114,6 +114,9 @@ def _by_geometry(source: Layout, destination: Layout, tensors: list[str]) -> lis
 def _itemsizes(destination: Layout, names: list[str], num_pieces: int) -> np.ndarray:
     """Itemsize of every destination piece of each of ``names`` ``[1 or len(names), num_pieces]``
     (one row, often a broadcast view, where all agree)."""
+    quick = {destination.buffer_itemsize(name) for name in names}
+    if len(quick) == 1 and None not in quick:  # one buffer dtype for every piece of every tensor (at scale)
+        return np.broadcast_to(np.array([[quick.pop()]], np.int64), (1, num_pieces))
     found = [destination.buffer_dtypes(name) for name in names]
     uniform = [dtypes.itemsize for dtypes in found]
     if None not in uniform:  # each tensor's pieces share one buffer itemsize (the common case)

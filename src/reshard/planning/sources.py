@@ -184,10 +184,11 @@ class _SourceChooser:
         orders = self.orders[index]
         heap = [(load[ranks[x]], ranks[x], x) for x in pool]
         heapq.heapify(heap)
+        pop, push, instances = heapq.heappop, heapq.heappush, range(num_instances)
         for _, _, column in run:
-            picked = [heapq.heappop(heap) for _ in range(num_instances)]
+            picked = [pop(heap) for _ in instances]
             orders[column] = [position for _, _, position in picked]
             for rank_load, rank, position in picked:
-                heapq.heappush(heap, (rank_load + size, rank, position))
+                push(heap, (rank_load + size, rank, position))
         for rank_load, rank, _ in heap:
             load[rank] = rank_load
