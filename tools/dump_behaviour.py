@@ -27,8 +27,8 @@ output with the timing lines left out. Then, in ``--quick`` too (a few seconds, 
     "vllm init ..."        the vLLM backend's init infos: fields, engine ranks, the workers' init
                            infos, the errors of bad values (imports vLLM, once)
 
-About 16 minutes on a 2-core machine with other jobs running (975 s measured once; ``--quick``: the
-small cases only, about half a minute).
+About 4 minutes on a quiet 2-core machine (220 s measured; 975 s once with other jobs running and
+older code; ``--quick``: the small cases only, about ten seconds).
 """
 
 from __future__ import annotations
