@@ -440,12 +440,9 @@ def to_json(r: Result) -> dict:
 def plot(results: list[Result], path: str | Path) -> Path:
     """Grouped bars per case that fits (ours in the faster order, the hybrid, gather-and-broadcast fair
     and naive, the lower bound), with the published figures as markers, on a log scale."""
-    import matplotlib
+    from ..modeling.plots import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from ..modeling.plots import save_figure
+    plt = pyplot()
 
     results = [r for r in results if r.figures is not None]
     labels = [r.case.key for r in results]

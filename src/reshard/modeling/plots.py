@@ -33,7 +33,7 @@ from .topology import Placement, Topology
 from .traffic import LINK_LABEL, LINKS, Traffic
 
 
-def _pyplot():
+def pyplot():
     """``matplotlib.pyplot`` on the Agg backend, imported on the first plot (not with the modeling
     package: a command that draws nothing does not pay for it)."""
     import matplotlib
@@ -76,7 +76,7 @@ def save_figure(fig, path: str | Path, dpi: int = 110) -> Path:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=dpi)
-    _pyplot().close(fig)
+    pyplot().close(fig)
     return path
 
 
@@ -101,7 +101,7 @@ def plot_pair_bytes(pair_bytes: Mapping[tuple[int, int], float], path: str | Pat
             grid[row[s], col[d]] += b
     total = grid.sum()
     scale, unit = _unit(grid.max() if grid.size else 0.0)
-    fig, ax = _pyplot().subplots(figsize=(min(4 + 0.18 * len(db), 16), min(3 + 0.16 * len(sb), 14)))
+    fig, ax = pyplot().subplots(figsize=(min(4 + 0.18 * len(db), 16), min(3 + 0.16 * len(sb), 14)))
     shown = np.ma.masked_where(grid <= 0, grid / scale)
     if shown.count():
         lo, hi = shown.min(), shown.max()
@@ -157,7 +157,7 @@ def plot_link_load(traffic: Traffic, path: str | Path, topology: Topology | None
     labels = [str(gpus[g[0]]) if len(g) == 1 else f"{gpus[g[0]]}-{gpus[g[-1]]}" for g in groups]
     vals = {k: np.array([secs[k][g].max() for g in groups]) for k in kinds}
     n, w = len(groups), 0.8 / len(kinds)
-    fig, ax = _pyplot().subplots(figsize=(min(5 + 0.28 * n * len(kinds) / 2, 18), 5))
+    fig, ax = pyplot().subplots(figsize=(min(5 + 0.28 * n * len(kinds) / 2, 18), 5))
     x = np.arange(n)
     for i, k in enumerate(kinds):
         ax.bar(x + (i - (len(kinds) - 1) / 2) * w, vals[k], w, label=LINK_LABEL[k], color=_COLORS[k])

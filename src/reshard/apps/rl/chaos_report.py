@@ -132,12 +132,9 @@ def checks_line(run: RunResult) -> str:
 
 def plot(runs: dict[str, RunResult], png: str | Path) -> Path:
     """Reward and step time against wall time (the loop's seconds), faults of the chaos run marked."""
-    import matplotlib
+    from ...modeling.plots import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from ...modeling.plots import save_figure
+    plt = pyplot()
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5.4), sharex=True)
     for name, run in runs.items():

@@ -140,12 +140,9 @@ def reward_summary(result: RunResult, k: int = 3) -> str:
 
 def plot_step_times(result: RunResult, png: str | Path) -> Path:
     """Stacked bars: mean seconds of each phase per method, the step's sd as an error bar."""
-    import matplotlib
+    from ...modeling.plots import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from ...modeling.plots import save_figure
+    plt = pyplot()
 
     by = timed_steps(result)
     methods = list(by)
@@ -174,12 +171,9 @@ def plot_step_times(result: RunResult, png: str | Path) -> Path:
 
 def plot_rewards(runs: dict[str, RunResult], png: str | Path) -> Path:
     """Reward per step of each run, and the random policy's expected reward."""
-    import matplotlib
+    from ...modeling.plots import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from ...modeling.plots import save_figure
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6, 3.6))
     for name, r in runs.items():
