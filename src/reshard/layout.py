@@ -332,9 +332,16 @@ class Layout:
         """Bytes per element of the buffer every piece of tensor ``name`` lives in, where they share
         one buffer name whose dtype every rank agrees on; else None (ask :meth:`buffer_dtypes`). A
         look-up per tensor, for callers that need only the element size."""
-        one = self.tables[name].one_buffer()
-        dtype = self._single_dtype or (None if one is None else self._dtype_by_name().get(one))
+        dtype = self._one_dtype(self.tables[name])
         return None if dtype is None else dtype.itemsize
+
+    def _one_dtype(self, table: PieceTable) -> torch.dtype | None:
+        """The dtype of every piece of ``table`` known without a look at the pieces: one dtype
+        everywhere, or one buffer name whose dtype every rank agrees on; else None."""
+        if self._single_dtype is not None:
+            return self._single_dtype
+        one = table.one_buffer()
+        return None if one is None else self._dtype_by_name().get(one)
 
     def _dtypes_of_pieces(self, table: PieceTable) -> list[torch.dtype]:
         """The dtype of each piece's buffer, by buffer name where every rank agrees on it, else by rank."""
@@ -366,12 +373,7 @@ class Layout:
         return answer
 
     def _buffer_dtypes_of(self, table: PieceTable) -> BufferDtypes:
-        # the answers that need no look at the pieces: one dtype everywhere, or one buffer name whose
-        # dtype every rank agrees on
-        fast = self._single_dtype
-        if fast is None:
-            one = table.one_buffer()
-            fast = None if one is None else self._dtype_by_name().get(one)
+        fast = self._one_dtype(table)
         if fast is not None:
             key = (fast, len(table.buffers))
             answer = self._uniform_answers.get(key)

@@ -414,13 +414,12 @@ def _add_chunk_codes(group, pick: np.ndarray, rot: np.ndarray, frac: np.ndarray,
     w2 = width * width
     nbytes = group.nbytes if group.nbytes.shape[0] == 1 else group.nbytes[pick]
     fixed = np.flatnonzero((group.items.kind == REMOTE) & (group.choice_of < 0))
-    every = np.arange(chunks)
     if len(fixed):  # codes and weights ordered [rotation, chunk, item]
         pair = group.rank[fixed] * width + group.dst_rank[fixed]
         per_rot = np.zeros((chunks, len(fixed)))  # bytes of each item summed over tensors of one rotation
         np.add.at(per_rot, rot, np.broadcast_to(nbytes[:, fixed], (len(rot), len(fixed))))
         used = np.flatnonzero(per_rot.any(axis=1))
-        chunk = (every[None, :] + used[:, None]) % chunks  # [rotation, chunk]
+        chunk = (np.arange(chunks)[None, :] + used[:, None]) % chunks  # [rotation, chunk]
         codes.append((chunk[:, :, None] * w2 + pair[None, None, :]).ravel())
         weights.append((per_rot[used][:, None, :] * frac[:, fixed][None, :, :]).ravel())
     if len(group.choice_cols):  # codes and weights ordered [chunk, instance, column]
