@@ -19,6 +19,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from ..planning import schedule
+from ..planning.pair_arrays import PairArrays
 from .topology import Placement, Topology
 
 #: link kinds, in the order of the ``bytes``/``messages`` arrays
@@ -159,7 +160,11 @@ def _phase_from_pairs(name: str, pairs: PairBytes, placement: Placement, rounds:
 
 
 def _pairs_arrays(pairs: PairBytes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(source ranks, destination ranks, bytes) of the pairs that move any bytes."""
+    """(source ranks, destination ranks, bytes) of the pairs that move any bytes (bytes may be
+    fractions: a modeled baseline's shares)."""
+    if isinstance(pairs, PairArrays):
+        keep = pairs.nbytes > 0
+        return pairs.src[keep], pairs.dst[keep], pairs.nbytes[keep].astype(np.float64)
     if not pairs:
         no_ranks = np.zeros(0, np.int64)
         return no_ranks, no_ranks, np.zeros(0)

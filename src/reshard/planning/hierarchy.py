@@ -46,6 +46,7 @@ import numpy as np
 from ..gc_pause import without_gc
 from ..layout import Layout, PieceTable, Repeated, read_only
 from ..tensors import itemsize
+from .pair_arrays import PairArrays, pair_arrays
 from .plan import Plan, domain_array
 from .rank_plan import RankPlan
 from .schedule import ALIGN, Message, aligned, chunk_stream, round_cap
@@ -194,18 +195,15 @@ class HierarchicalPlan:
         room_of_cap = round_cap(cap)
         out = []
         for members in members_of:
-            rounds = 1
-            load: dict[int, int] = {}  # what each rank stages over the step, every phase in it together
-            count: dict[int, int] = {}
-            for _, pairs in members:
-                for (a, b), nbytes in pairs.items():
-                    for x in (a, b):
-                        load[x] = load.get(x, 0) + nbytes
-                        count[x] = count.get(x, 0) + 1
-            for x, nbytes in load.items():
-                room = max(room_of_cap - 2 * ALIGN * count[x], ALIGN)
-                rounds = max(rounds, -(-nbytes // room))
-            out.append(rounds)
+            arrays = [pair_arrays(pairs) for _, pairs in members]
+            width = max((int(max(a.src.max(), a.dst.max())) + 1 for a in arrays if len(a)), default=0)
+            load = np.zeros(width, np.int64)  # what each rank stages over the step, every phase in it together
+            count = np.zeros(width, np.int64)
+            for a in arrays:
+                load += a.rank_totals(width)
+                count += a.rank_totals(width, np.ones(len(a)))
+            room = np.maximum(room_of_cap - 2 * ALIGN * count, ALIGN)
+            out.append(max(1, int((-(-load // room)).max(initial=0))))
         return out
 
     def steps_for_rank(self, rank: int) -> list[list["StepPart"]]:
@@ -369,68 +367,103 @@ def tensor_chunks(destination: Layout, chunks: int, layouts=()) -> dict[str, Ban
     return out
 
 
-def chunk_pair_bytes(phase: Plan, chunk_of: Mapping[str, Bands], chunks: int) -> list[dict[tuple[int, int], int]]:
+def chunk_pair_bytes(phase: Plan, chunk_of: Mapping[str, Bands], chunks: int) -> list[PairArrays]:
     """Per chunk, ``{(src, dst): bytes}`` of the phase's copies between distinct ranks, each copy's
-    rows counted in the chunk of their band (:func:`tensor_chunks`); sums to ``phase.pair_bytes``."""
-    codes, weights = [], []
-    ranks = set(phase.source.ranks) | set(phase.destination.ranks)
-    width = max(ranks, default=0) + 1
+    rows counted in the chunk of their band (:func:`tensor_chunks`); sums to ``phase.pair_bytes``.
+
+    Groups sharing their intersection (:func:`~reshard.planning.geometry_groups.items_key`: the
+    experts of every stage), row count and band count are summed together, as arrays stacked
+    over the groups; a copy's share of a chunk is a whole number of rows, so the sums are whole
+    bytes whatever their order."""
+    tensors = phase.tensors
+    width = max(set(phase.source.ranks) | set(phase.destination.ranks), default=0) + 1
     w2 = width * width
-    shares: dict[tuple, np.ndarray] = {}  # groups sharing their items (and rows, band count) share the shares
+    rotation = np.fromiter((chunk_of[n].rotation for n in tensors), np.int64, len(tensors))
+    band_count = np.fromiter((chunk_of[n].count for n in tensors), np.int64, len(tensors))
+    specs = phase.destination.specs
+    families: dict[tuple, list] = {}  # (items, rows, band count) -> [(group, its instances of that count)]
     for group in phase._groups:
-        bands = [chunk_of[n] for n in group.tensors]
-        for count in sorted({b.count for b in bands}):  # tensors alike in this phase share a band count
-            pick = np.array([b.count == count for b in bands])
-            rot = np.array([b.rotation for b in bands], np.int64)[pick]
-            n = phase.destination.specs[group.tensors[0]].shape[0]
-            key = (id(group.items), n, count)  # every group stays alive while this runs: ids are unique
-            frac = shares.get(key)
-            if frac is None:
-                frac = shares[key] = Bands(0, count).chunk_shares(n, chunks, group.items.offsets[:, 0],
-                                                                   group.items.sizes[:, 0])
-            _add_chunk_codes(group, pick, rot, frac, chunks, width, codes, weights)
-    out: list[dict[tuple[int, int], int]] = [{} for _ in range(chunks)]
-    if not codes:
-        return out
-    code, weight = np.concatenate(codes), np.concatenate(weights).astype(np.float64)
-    if chunks * w2 <= DENSE_CODES:  # sums by code in input order, as over np.unique's inverse
-        sums = np.bincount(code, weights=weight, minlength=chunks * w2)
-        keys = np.flatnonzero(sums)
-        sums = sums[keys]
-    else:
-        keys, inv = np.unique(code, return_inverse=True)
-        sums = np.bincount(inv.reshape(-1), weights=weight)
-    for key, value in zip(keys.tolist(), sums.tolist()):
-        if value > 0.5 and (key % w2) // width != key % width:
-            out[key // w2][((key % w2) // width, key % width)] = int(round(value))
-    return out
+        counts = band_count[group.tensor_index]
+        rows = specs[group.tensors[0]].shape[0]
+        first, last = int(counts[0]), int(counts[-1])
+        if first == last and (counts == first).all():  # tensors alike in a phase share a band count
+            families.setdefault((id(group.items), rows, first), []).append((group, None))
+            continue
+        for count in np.unique(counts).tolist():
+            families.setdefault((id(group.items), rows, count), []).append((group, np.flatnonzero(counts == count)))
+    codes: list[np.ndarray] = []
+    weights: list[np.ndarray] = []
+    for (_, rows, count), members in families.items():  # every group stays alive while this runs: ids are unique
+        items = members[0][0].items
+        frac = Bands(0, count).chunk_shares(rows, chunks, items.offsets[:, 0], items.sizes[:, 0])
+        _family_codes(members, frac, rotation, chunks, width, codes, weights)
+    out_src, out_dst, out_bytes = [np.zeros(0, np.int64)] * 3
+    if codes:
+        code, weight = np.concatenate(codes), np.concatenate(weights)
+        if chunks * w2 <= DENSE_CODES:
+            sums = np.bincount(code, weights=weight, minlength=chunks * w2)
+            keys = np.flatnonzero(sums)
+            sums = sums[keys]
+        else:
+            keys, inv = np.unique(code, return_inverse=True)
+            sums = np.bincount(inv.reshape(-1), weights=weight)
+        pair = keys % w2
+        out_src, out_dst = pair // width, pair % width
+        keep = (sums > 0.5) & (out_src != out_dst)
+        keys, out_src, out_dst, out_bytes = keys[keep], out_src[keep], out_dst[keep], np.rint(sums[keep]).astype(np.int64)
+    edges = np.searchsorted(keys // w2 if codes else np.zeros(0, np.int64), np.arange(chunks + 1))
+    return [PairArrays(out_src[a:b], out_dst[a:b], out_bytes[a:b]) for a, b in zip(edges[:-1], edges[1:])]
 
 
-def _add_chunk_codes(group, pick: np.ndarray, rot: np.ndarray, frac: np.ndarray, chunks: int, width: int,
-                     codes: list, weights: list) -> None:
-    """Append the (chunk, pair) codes and byte weights of ``group``'s remote items for its tensors
-    ``pick`` (rotations ``rot``; ``frac[chunk, item]``: the item's share in each chunk at rotation 0)."""
+def _family_codes(members: list, frac: np.ndarray, rotation: np.ndarray, chunks: int, width: int,
+                  codes: list, weights: list) -> None:
+    """Append the (chunk, pair) codes and byte weights of the remote items of ``members`` (groups
+    sharing one intersection, each with the positions of its tensors taken, None: all;
+    ``frac[chunk, item]``: an item's share of each chunk at rotation 0)."""
     from .intersect import REMOTE
     w2 = width * width
-    nbytes = group.nbytes if group.nbytes.shape[0] == 1 else group.nbytes[pick]
-    fixed = np.flatnonzero((group.items.kind == REMOTE) & (group.choice_of < 0))
-    if len(fixed):  # codes and weights ordered [rotation, chunk, item]
-        pair = group.rank[fixed] * width + group.dst_rank[fixed]
-        per_rot = np.zeros((chunks, len(fixed)))  # bytes of each item summed over tensors of one rotation
-        np.add.at(per_rot, rot, np.broadcast_to(nbytes[:, fixed], (len(rot), len(fixed))))
-        used = np.flatnonzero(per_rot.any(axis=1))
-        chunk = (np.arange(chunks)[None, :] + used[:, None]) % chunks  # [rotation, chunk]
-        codes.append((chunk[:, :, None] * w2 + pair[None, None, :]).ravel())
-        weights.append((per_rot[used][:, None, :] * frac[:, fixed][None, :, :]).ravel())
-    if len(group.choice_cols):  # codes and weights ordered [chunk, instance, column]
-        cols = group.choice_cols
-        ranks = group.choice_rank[pick]
-        pair = ranks * width + group.dst_rank[cols][None, :]
-        share = frac[:, cols]
-        used = np.flatnonzero(share.any(axis=1))
-        chunk = (used[:, None] + rot[None, :]) % chunks  # [chunk, instance]
-        codes.append((chunk[:, :, None] * w2 + pair[None, :, :]).ravel())
-        weights.append((np.broadcast_to(nbytes[:, cols], ranks.shape)[None, :, :] * share[used][:, None, :]).ravel())
+    groups = [group for group, _ in members]
+    first = groups[0]
+    instances = [len(g.tensors) if pick is None else len(pick) for g, pick in members]
+    member_of = np.repeat(np.arange(len(members)), instances)  # per instance taken
+    rot = np.concatenate([rotation[g.tensor_index if pick is None else g.tensor_index[pick]] for g, pick in members])
+    one_row = all(g.nbytes.shape[0] == 1 or g.nbytes.strides[0] == 0 for g in groups)
+
+    def instance_bytes(cols):  # [instance, col]: bytes of each instance's items ``cols``
+        if one_row:
+            return np.stack([g.nbytes[0, cols] for g in groups])[member_of]
+        return np.concatenate([np.broadcast_to(g.nbytes, (len(g.tensors), g.nbytes.shape[1]))[
+            slice(None) if pick is None else pick][:, cols] for g, pick in members])
+
+    fixed = np.flatnonzero((first.items.kind == REMOTE) & (first.choice_of < 0))
+    if len(fixed):  # [member, chunk, item]: bytes per rotation, then turned into each chunk
+        pair = np.stack([g.rank for g in groups])[:, fixed] * width + np.stack([g.dst_rank for g in groups])[:, fixed]
+        per_rot = np.zeros((len(members) * chunks, len(fixed)))
+        np.add.at(per_rot, member_of * chunks + rot, instance_bytes(fixed))
+        per_rot = per_rot.reshape(len(members), chunks, len(fixed))
+        share = frac[:, fixed]
+        total = np.zeros((len(members), chunks, len(fixed)))
+        for r in np.flatnonzero(per_rot.any(axis=(0, 2))).tolist():  # chunk c holds band c - r of rotation r
+            total += per_rot[:, r, None, :] * np.roll(share, r, axis=0)[None, :, :]
+        live = total != 0
+        codes.append((np.arange(chunks)[None, :, None] * w2 + pair[:, None, :])[live])
+        weights.append(total[live])
+    cols = first.choice_cols
+    if len(cols):  # instances alike summed first: (member, column, rotation, chosen rank), then [chunk, that]
+        ranks = np.concatenate([g.choice_rank if pick is None else g.choice_rank[pick] for g, pick in members])
+        alike = (((member_of[:, None] * len(cols) + np.arange(len(cols))[None, :]) * chunks + rot[:, None]) * width
+                 + ranks)
+        keys, inv = np.unique(alike.ravel(), return_inverse=True)
+        nbytes = np.bincount(inv.reshape(-1), weights=instance_bytes(cols).ravel())
+        src, rest = keys % width, keys // width
+        rot_of, rest = rest % chunks, rest // chunks
+        column, member = rest % len(cols), rest // len(cols)
+        pair = src * width + np.stack([g.dst_rank[cols] for g in groups])[member, column]
+        weight = nbytes[None, :] * frac[:, cols][:, column]  # [chunk, key]
+        chunk = (np.arange(chunks)[:, None] + rot_of[None, :]) % chunks
+        live = weight != 0
+        codes.append((chunk * w2 + pair[None, :])[live])
+        weights.append(weight[live])
 
 
 def cross_domain_bytes(pair_bytes: Mapping[tuple[int, int], int], domains: Mapping[int, int]) -> dict[int, int]:
@@ -812,8 +845,10 @@ def split_relays(receivers: Layout, source: Layout, domains: Mapping[int, int]) 
                 relayed[name] = _subset(receivers.tables[name], empty, none)
             continue
         dealt.sort(key=lambda o: o[0])
-        patterns, which = np.unique(np.concatenate([rows for _, rows in dealt], axis=1), axis=0, return_inverse=True)
-        which = which.reshape(-1)
+        index: dict[tuple, int] = {}  # each tensor's seed rows, the same patterns once
+        which = [index.setdefault(tuple(rows), len(index))
+                 for rows in np.concatenate([rows for _, rows in dealt], axis=1).tolist()]
+        patterns = [list(rows) for rows in index]
         relay_rows = np.concatenate([boxes[bi][0] for bi, _ in dealt])
         cut = []
         for pat in patterns:
@@ -822,7 +857,7 @@ def split_relays(receivers: Layout, source: Layout, domains: Mapping[int, int]) 
             keep[pat] = True
             kr, rr = np.flatnonzero(keep), np.flatnonzero(~keep)
             cut.append((kr, _rows_of(t, kr), rr, _rows_of(t, rr)))
-        for name, w in zip(names, which.tolist()):
+        for name, w in zip(names, which):
             own = receivers.tables[name]
             seeds[name] = _subset(own, cut[w][0], cut[w][1], offsets_of)
             relayed[name] = _subset(own, cut[w][2], cut[w][3], offsets_of)
