@@ -177,3 +177,29 @@ def test_seeds_balance_the_sources_against_the_relays():
     assert h.cross_domain_bytes == {d: spec.nbytes for d in range(2, 38)}
     case = S.Case(None, src, dst, S.full_tensors([spec]))
     assert_exact(case, run(case, h))
+
+
+def test_restricted_buffer_offsets_stay_right_when_an_earlier_rows_array_is_gone():
+    """The split caches restricted buffer offsets by the ids of the offsets and rows arrays; once a
+    caller drops a rows array its id can come back for other rows (it did on the 2.4 T MoE's relay
+    split: relayed tables with fewer buffer-offset rows than pieces). The cache holds both arrays."""
+    from reshard.layout import PieceTable, Repeated
+    from reshard.planning.hierarchy import _rows_of, _subset
+
+    ranks = np.arange(4, dtype=np.int64)
+    offsets = np.array([[0], [2], [4], [6]], np.int64)
+    sizes = np.full((4, 1), 2, np.int64)
+    table = PieceTable(ranks, offsets, sizes, Repeated("w", 4), offsets * 10)
+    cache: dict = {}
+    first = np.array([0], np.int64)
+    _subset(table, first, _rows_of(table, first), cache)
+    gone = id(first)
+    del first
+    later = None
+    for _ in range(1000):  # CPython hands a freed array's memory to the next array made: usually at once
+        later = np.array([1, 3], np.int64)
+        if id(later) == gone:
+            break
+    sub = _subset(table, later, _rows_of(table, later), cache)
+    assert sub.buffer_offsets.tolist() == [[20], [60]]
+    assert len(sub.buffer_offsets) == len(sub)

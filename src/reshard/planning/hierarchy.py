@@ -570,16 +570,17 @@ def _subset(t: PieceTable, rows: np.ndarray, shared: tuple[np.ndarray, ...], cac
             ) -> PieceTable:
     """``t`` restricted to ``rows`` (whose ranks/offsets/sizes are ``shared``); ``cache``: a dict kept
     over one split, so that tables sharing buffer offsets share the restricted ones too (by identity:
-    every array stays alive while the split runs)."""
+    the cache holds both arrays, so neither id is reused while it lives, even where the caller
+    lets ``rows`` go)."""
     b = t.one_buffer()
     names = Repeated(b, len(rows)) if b is not None else tuple(t.buffers[r] for r in rows.tolist())
     if cache is None:
         return PieceTable(*shared, names, t.buffer_offsets[rows])
     key = (id(t.buffer_offsets), id(rows))
-    boffs = cache.get(key)
-    if boffs is None:
-        boffs = cache[key] = read_only((t.buffer_offsets[rows],))[0]
-    return PieceTable(*shared, names, boffs)
+    hit = cache.get(key)
+    if hit is None:
+        hit = cache[key] = (t.buffer_offsets, rows, read_only((t.buffer_offsets[rows],))[0])
+    return PieceTable(*shared, names, hit[2])
 
 
 def split_receivers(destination: Layout, domains: Mapping[int, int]) -> tuple[Layout, Layout]:
