@@ -328,6 +328,12 @@ class Layout:
         dtypes = set(self._dtype_by_name().values())
         return next(iter(dtypes)) if len(dtypes) == 1 else None
 
+    @property
+    def single_itemsize(self) -> int | None:
+        """Bytes per element of every buffer, where all share one dtype; else None."""
+        dtype = self._single_dtype
+        return None if dtype is None else dtype.itemsize
+
     def buffer_itemsize(self, name: str) -> int | None:
         """Bytes per element of the buffer every piece of tensor ``name`` lives in, where they share
         one buffer name whose dtype every rank agrees on; else None (ask :meth:`buffer_dtypes`). A

@@ -18,7 +18,7 @@ from functools import cached_property
 
 import numpy as np
 
-from ..layout import Layout, PieceTable
+from ..layout import Layout, PieceTable, read_only
 from .intersect import FANOUT, REMOTE, TensorItems, tensor_items
 
 
@@ -114,9 +114,12 @@ def _by_geometry(source: Layout, destination: Layout, tensors: list[str]) -> lis
 def _itemsizes(destination: Layout, names: list[str], num_pieces: int) -> np.ndarray:
     """Itemsize of every destination piece of each of ``names`` ``[1 or len(names), num_pieces]``
     (one row, often a broadcast view, where all agree)."""
+    single = destination.single_itemsize
+    if single is not None:  # one dtype for every buffer (at scale): no look-up per tensor
+        return _broadcast_row(single, num_pieces)
     quick = {destination.buffer_itemsize(name) for name in names}
-    if len(quick) == 1 and None not in quick:  # one buffer dtype for every piece of every tensor (at scale)
-        return np.broadcast_to(np.array([[quick.pop()]], np.int64), (1, num_pieces))
+    if len(quick) == 1 and None not in quick:  # one buffer dtype for every piece of every tensor
+        return _broadcast_row(quick.pop(), num_pieces)
     found = [destination.buffer_dtypes(name) for name in names]
     uniform = [dtypes.itemsize for dtypes in found]
     if None not in uniform:  # each tensor's pieces share one buffer itemsize (the common case)
@@ -129,24 +132,50 @@ def _itemsizes(destination: Layout, names: list[str], num_pieces: int) -> np.nda
     return sizes[0][None, :] if same else np.stack(sizes)
 
 
-def _make_group(items: TensorItems, names: list[str], tensor_index: np.ndarray, src_table: PieceTable,
-                dst_table: PieceTable, itemsizes: np.ndarray) -> GeometryGroup:
-    """The group of ``names`` (one geometry, its ``items``), with every source that needs no choice."""
-    volume = items.sizes.prod(axis=1) if len(items) else np.zeros(0, np.int64)
-    itemsizes = itemsizes[:, items.dst_piece]
-    num_instances = len(names)
-    # a remote copy with one candidate needs no choice
-    piece = np.where(items.kind == REMOTE, -1, items.source)
-    single = (items.kind == REMOTE) & (items.cand_count == 1)
-    piece[single] = items.candidates[items.cand_start[single]]
-    rank = dst_table.ranks[items.dst_piece].copy()  # fan-out: the destination rank itself
-    from_source = items.kind != FANOUT
-    rank[from_source] = src_table.ranks[piece[from_source]]
-    multi = np.flatnonzero((items.kind == REMOTE) & (items.cand_count > 1))
+def _broadcast_row(size: int, num_pieces: int) -> np.ndarray:
+    return np.broadcast_to(np.array([[size]], np.int64), (1, num_pieces))
+
+
+@dataclass(frozen=True)
+class _ItemParts:
+    """What :func:`_make_group` reads of one intersection whatever the ranks: worked out once for
+    the groups sharing it."""
+
+    volume: np.ndarray  # elements of each item
+    piece: np.ndarray  # source piece of each item whose source needs no choice (-1: remote with a choice)
+    from_source: np.ndarray  # items whose sending rank is a source piece's (not fan-out)
+    multi: np.ndarray  # remote items with several candidates: the choice columns
+
+    @classmethod
+    def of(cls, items: TensorItems) -> "_ItemParts":
+        volume = items.sizes.prod(axis=1) if len(items) else np.zeros(0, np.int64)
+        piece = np.where(items.kind == REMOTE, -1, items.source)
+        single = (items.kind == REMOTE) & (items.cand_count == 1)  # a remote copy with one candidate
+        piece[single] = items.candidates[items.cand_start[single]]
+        multi = np.flatnonzero((items.kind == REMOTE) & (items.cand_count > 1))
+        return cls(volume, piece, np.flatnonzero(items.kind != FANOUT), multi)
+
+
+def _make_group(items: TensorItems, parts: _ItemParts, names: list[str], tensor_index: np.ndarray,
+                src_table: PieceTable, dst_table: PieceTable, itemsizes: np.ndarray, item_bytes: dict
+                ) -> GeometryGroup:
+    """The group of ``names`` (one geometry, its ``items``), with every source that needs no choice;
+    ``item_bytes``: a dict kept over one grouping (bytes per item of an intersection in one itemsize)."""
+    num_instances, num_multi = len(names), len(parts.multi)
+    if itemsizes.shape[0] == 1 and itemsizes.strides[1] == 0:  # one itemsize: bytes per item shared
+        key = (id(items), int(itemsizes[0, 0]))
+        nbytes = item_bytes.get(key)
+        if nbytes is None:
+            nbytes = item_bytes[key] = read_only((parts.volume * int(itemsizes[0, 0]),))[0][None, :]
+    else:
+        nbytes = itemsizes[:, items.dst_piece] * parts.volume[None, :]
+    dst_rank = dst_table.ranks[items.dst_piece]
+    rank = dst_rank.copy()  # fan-out: the destination rank itself
+    rank[parts.from_source] = src_table.ranks[parts.piece[parts.from_source]]
     return GeometryGroup(
-        items, names, tensor_index, piece, rank, dst_table.ranks[items.dst_piece],
-        np.broadcast_to(itemsizes * volume[None, :], (num_instances, len(items))),
-        multi, np.zeros((num_instances, len(multi)), np.int64), np.zeros((num_instances, len(multi)), np.int64),
+        items, names, tensor_index, parts.piece, rank, dst_rank,
+        np.broadcast_to(nbytes, (num_instances, len(items))),
+        parts.multi, np.zeros((num_instances, num_multi), np.int64), np.zeros((num_instances, num_multi), np.int64),
     )
 
 
@@ -155,15 +184,17 @@ def group_tensors(source: Layout, destination: Layout, tensors: list[str]) -> li
     position in ``tensors``); sources with several candidates are left to choose."""
     position = {name: i for i, name in enumerate(tensors)}
     groups: list[GeometryGroup] = []
-    same_boxes: dict[bytes, TensorItems] = {}
+    same_boxes: dict[bytes, tuple[TensorItems, _ItemParts]] = {}
+    item_bytes: dict = {}
     for names in _by_geometry(source, destination, tensors):
         first = names[0]
         src_table, dst_table = source.tables[first], destination.tables[first]
         key = items_key(src_table, dst_table)  # geometries that differ only in their rank numbers
-        items = same_boxes.get(key)
-        if items is None:
-            items = same_boxes[key] = tensor_items(first, src_table, dst_table)
+        hit = same_boxes.get(key)
+        if hit is None:
+            items = tensor_items(first, src_table, dst_table)
+            hit = same_boxes[key] = (items, _ItemParts.of(items))
         tensor_index = np.array([position[name] for name in names], np.int64)
-        groups.append(_make_group(items, names, tensor_index, src_table, dst_table,
-                                  _itemsizes(destination, names, len(dst_table))))
+        groups.append(_make_group(*hit, names, tensor_index, src_table, dst_table,
+                                  _itemsizes(destination, names, len(dst_table)), item_bytes))
     return groups

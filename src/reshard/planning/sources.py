@@ -67,6 +67,21 @@ def fill_choices(group: GeometryGroup, orders: list[list[int]], source: Layout) 
     group.choice_rank[:] = source.tables[group.tensors[0]].ranks[group.choice_piece]
 
 
+def _near_homes(group: GeometryGroup, source: Layout, domains: np.ndarray) -> list[int]:
+    """Per choice column of ``group``, its destination's domain where a candidate lies in it (the
+    candidates dealt over are then the near ones), else -1 (all of them: columns alike share a pool
+    whatever their domains)."""
+    items, cols = group.items, group.choice_cols
+    homes = domains[group.dst_rank[cols]]
+    counts = items.cand_count[cols]
+    column = np.repeat(np.arange(len(cols)), counts)
+    at = np.repeat(items.cand_start[cols] - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts) + np.arange(len(column))
+    ranks = source.tables[group.tensors[0]].ranks[items.candidates[at]]
+    near = np.zeros(len(cols), bool)
+    near[column[domains[ranks] == homes[column]]] = True
+    return np.where(near, homes, -1).tolist()
+
+
 def _by_load(pool, ranks: list[int], load: list[int], count: int) -> list[int]:
     """The ``count`` least-loaded candidates of ``pool`` (positions in ``ranks``), least first; ties: lowest rank."""
     if len(pool) == 2:  # the common case (two replicas), without a sort
@@ -125,7 +140,7 @@ class _SourceChooser:
             group = self.groups[index]
             ranks = self.candidates[index] = candidate_ranks(group, self.source)
             if self.domain_of is not None:
-                self.homes[index] = self.domains[group.dst_rank[group.choice_cols]].tolist()
+                self.homes[index] = _near_homes(group, self.source, self.domains)
             self.orders[index] = [[]] * len(group.choice_cols)
         return ranks
 
@@ -135,14 +150,13 @@ class _SourceChooser:
         pool: range | list[int] = range(len(ranks))
         if self.domain_of is not None:
             domain_of, home = self.domain_of, self.homes[index][column]
-            near = [x for x in pool if domain_of[ranks[x]] == home]
-            if near:
-                return near, self.near_load
+            if home >= 0:
+                return [x for x in pool if domain_of[ranks[x]] == home], self.near_load
         return pool, self.load
 
     def _run_end(self, work: list[Work], start: int) -> int:
         """End of the run from ``work[start]``: the next columns of its group with the same candidates,
-        bytes (and destination domain)."""
+        bytes (and destination domain where a candidate lies in it: the same pool)."""
         neg_bytes, index, column = work[start]
         ranks = self.candidates[index]
         homes = self.homes.get(index)
@@ -163,7 +177,10 @@ class _SourceChooser:
         end = self._run_end(work, start)
         nbytes = group.nbytes[:, group.choice_cols[column]]
         if len(pool) > num_instances and (nbytes.strides[0] == 0 or num_instances == 1):
-            self._deal_one_each(work[start:end], index, ranks, pool, load, int(nbytes[0]))
+            if num_instances == 1:  # the next groups' columns alike join the run: one tensor each, dealt alike
+                home = self.homes[index][column] if self.domain_of is not None else None
+                end = self._single_run_end(work, end, ranks, home)
+            self._deal_one_each(work[start:end], num_instances, pool, load, int(nbytes[0]))
             return end
         order = _by_load(pool, ranks, load, num_instances)
         dealt = dealt_bytes(group, column, len(order))
@@ -177,18 +194,43 @@ class _SourceChooser:
             orders[same] = order
         return end
 
-    def _deal_one_each(self, run: list[Work], index: int, ranks: list[int], pool, load: list[int],
-                       size: int) -> None:
-        """More replicas than tensors, one size: per column the least loaded take one instance each."""
-        num_instances = len(self.groups[index].tensors)
-        orders = self.orders[index]
+    def _single_run_end(self, work: list[Work], end: int, ranks: list[int], home: int | None) -> int:
+        """End of the run extended from ``end`` over the next columns, of any group, of one tensor with
+        the same bytes, candidate ranks (and near domain, :func:`_near_homes`): dealt one after the
+        other, each to the least loaded, whatever their group."""
+        neg_bytes = work[end - 1][0]
+        groups, start_group, homes = self.groups, self._start_group, self.homes
+        while end < len(work):
+            next_bytes, index, column = work[end]
+            if (next_bytes != neg_bytes or len(groups[index].tensors) != 1 or start_group(index)[column] != ranks
+                    or (home is not None and homes[index][column] != home)):
+                break
+            end += 1
+        return end
+
+    def _deal_one_each(self, run: list[Work], num_instances: int, pool, load: list[int], size: int) -> None:
+        """More replicas than tensors, one size: per column the least loaded take one instance each
+        (the columns of ``run`` share their candidates, positions in ``ranks``)."""
+        ranks = self.candidates[run[0][1]][run[0][2]]
+        if len(run) == 1 and num_instances == 1:  # one pick: the least loaded, as the heap would give it
+            rank_load, rank, position = min([(load[ranks[x]], ranks[x], x) for x in pool])
+            self.orders[run[0][1]][run[0][2]] = [position]
+            load[rank] = rank_load + size
+            return
         heap = [(load[ranks[x]], ranks[x], x) for x in pool]
         heapq.heapify(heap)
-        pop, push, instances = heapq.heappop, heapq.heappush, range(num_instances)
-        for _, _, column in run:
-            picked = [pop(heap) for _ in instances]
-            orders[column] = [position for _, _, position in picked]
-            for rank_load, rank, position in picked:
-                push(heap, (rank_load + size, rank, position))
+        pop, push, instances, orders = heapq.heappop, heapq.heappush, range(num_instances), self.orders
+        if num_instances == 1:
+            replace = heapq.heapreplace
+            for _, index, column in run:
+                rank_load, rank, position = heap[0]
+                orders[index][column] = [position]
+                replace(heap, (rank_load + size, rank, position))
+        else:
+            for _, index, column in run:
+                picked = [pop(heap) for _ in instances]
+                orders[index][column] = [position for _, _, position in picked]
+                for rank_load, rank, position in picked:
+                    push(heap, (rank_load + size, rank, position))
         for rank_load, rank, _ in heap:
             load[rank] = rank_load
