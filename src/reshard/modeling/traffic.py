@@ -195,12 +195,12 @@ def _round_quotas(src: np.ndarray, dst: np.ndarray, pair_bytes: np.ndarray,
     (:func:`reshard.planning.schedule.pair_quotas` at :func:`~reshard.planning.schedule.round_cap` of a
     rank's staging cap ``max_bucket_bytes``) applied to payload bytes alone (the planner also counts
     each copy's alignment padding, unknown here). A pair with no quota goes in one round."""
-    if quotas is None:
-        payload = {(s, d): nbytes for s, d, nbytes in zip(src.tolist(), dst.tolist(), pair_bytes.tolist())}
-        quotas = schedule.pair_quotas({pair: int(nbytes) for pair, nbytes in payload.items()},
-                                      schedule.round_cap(max_bucket_bytes))
-    quota = np.array([quotas[(s, d)] if quotas.get((s, d)) is not None else np.inf
-                      for s, d in zip(src.tolist(), dst.tolist())], np.float64)
+    if quotas is None:  # the pairs are distinct: their quotas in order, from their whole bytes
+        quota = schedule.stream_quotas(src, dst, pair_bytes.astype(np.int64),
+                                       schedule.round_cap(max_bucket_bytes)).astype(np.float64)
+    else:
+        quota = np.array([quotas[(s, d)] if quotas.get((s, d)) is not None else np.inf
+                          for s, d in zip(src.tolist(), dst.tolist())], np.float64)
     quota = np.where(np.isinf(quota), np.maximum(pair_bytes, 1), quota)  # unbounded: one chunk
     if (quota <= 0).any():
         raise ValueError(f"max_bucket_bytes={max_bucket_bytes} leaves no room for some pair's messages")

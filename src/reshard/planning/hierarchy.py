@@ -309,20 +309,28 @@ class Bands(NamedTuple):
         return (below(hi) - below(lo)) / np.maximum(size, 1)[None, :]
 
 
-def row_split(layouts, name: str, cache: dict) -> int:
-    """How finely ``layouts`` cut tensor ``name``'s first dim: its rows over the shortest piece's
-    rows, in any of them (1 where every piece holds whole rows)."""
-    out = 1
+def row_splits(layouts) -> dict[str, int]:
+    """How finely ``layouts`` cut each tensor's first dim: its rows over the shortest piece's rows, the
+    most in any of them; tensors where every piece holds whole rows (1) left out.
+
+    >>> import torch, reshard as rs
+    >>> spec = rs.TensorSpec("w", (8, 2), torch.float32)
+    >>> halves = rs.Layout.from_placements(spec, [0, 1], (2,), [rs.Shard(0)])
+    >>> row_splits([halves]), row_splits([rs.Layout.from_placements(spec, [0, 1], (2,), [rs.Shard(1)])])
+    ({'w': 2}, {})
+    """
+    out: dict[str, int] = {}
     for lay in layouts:
-        t = lay.tables.get(name)
-        if t is None or not len(t):
-            continue
-        key = (id(lay), id(t.sizes))
-        hit = cache.get(key)
-        if hit is None:
-            rows = lay.specs[name].shape[0] if lay.specs[name].shape else 1
-            hit = cache[key] = -(-rows // max(int(t.sizes[:, 0].min()), 1)) if t.sizes.shape[1] else 1
-        out = max(out, hit)
+        specs, by_sizes = lay.specs, {}  # tables sharing a sizes array (tensors alike) cut alike
+        for name, t in lay.tables.items():
+            sizes = t.sizes
+            split = by_sizes.get(id(sizes))  # every table stays alive while this runs: ids are unique
+            if split is None:
+                shape = specs[name].shape
+                split = by_sizes[id(sizes)] = (-(-(shape[0] if shape else 1) // max(int(sizes[:, 0].min()), 1))
+                                               if len(sizes) and sizes.shape[1] else 1)
+            if split > 1 and split > out.get(name, 1):
+                out[name] = split
     return out
 
 
@@ -334,7 +342,7 @@ def tensor_chunks(destination: Layout, chunks: int, layouts=()) -> dict[str, Ban
 
     A tensor's rows are cut into ``chunks * m`` bands (at most its rows), ``m`` being how finely
     ``layouts`` (the phases' layouts; default the destination alone) cut its first dim
-    (:func:`row_split`, at most :data:`MAX_ROW_SPLIT`); band ``j`` goes in chunk
+    (:func:`row_splits`, at most :data:`MAX_ROW_SPLIT`); band ``j`` goes in chunk
     ``(j + rotation) % chunks``. Every piece of those layouts then spans ``chunks`` bands or more,
     so each chunk holds about 1/chunks of every piece, and every stream (whole tensors, a pipeline
     stage's layers, the row part a source replica sends of an LM head) sends about 1/chunks of its
@@ -353,7 +361,7 @@ def tensor_chunks(destination: Layout, chunks: int, layouts=()) -> dict[str, Ban
     chunks = max(int(chunks), 1)
     layouts = tuple(layouts) or (destination,)
     seen: dict[tuple, int] = {}
-    cache: dict = {}
+    splits = row_splits(layouts) if chunks > 1 else {}
     out = {}
     for name, t in destination.tables.items():
         if not len(t):
@@ -362,7 +370,7 @@ def tensor_chunks(destination: Layout, chunks: int, layouts=()) -> dict[str, Ban
         rows = shape[0] if shape else 1
         k = seen.get(shape, 0)
         seen[shape] = k + 1
-        m = min(row_split(layouts, name, cache), MAX_ROW_SPLIT) if chunks > 1 else 1
+        m = min(splits.get(name, 1), MAX_ROW_SPLIT)
         out[name] = Bands(k % chunks, max(min(rows, chunks * m), 1))
     return out
 

@@ -178,15 +178,28 @@ def pair_quotas(staged: Mapping[tuple[int, int], int], max_bucket_bytes: int | N
     """
     if max_bucket_bytes is None:
         return {p: None for p in staged}
-    load: dict[int, int] = defaultdict(int)
-    count: dict[int, int] = defaultdict(int)
-    for (s, d), a in staged.items():
-        for x in (s, d):
-            load[x] += a
-            count[x] += 1
-    out = {}
-    for (s, d), a in staged.items():
-        room = max_bucket_bytes - ALIGN * max(count[s], count[d])
-        share = room * a // max(load[s], load[d], 1)
-        out[(s, d)] = max(ALIGN, share - share % ALIGN)
-    return out
+    ranks = np.array(list(staged), np.int64).reshape(-1, 2)
+    quotas = stream_quotas(ranks[:, 0], ranks[:, 1], np.fromiter(staged.values(), np.int64, len(staged)),
+                           max_bucket_bytes)
+    return dict(zip(staged, quotas.tolist()))
+
+
+def stream_quotas(src: np.ndarray, dst: np.ndarray, staged: np.ndarray, max_bucket_bytes: int) -> np.ndarray:
+    """:func:`pair_quotas` as arrays: the quota of stream ``(src[i], dst[i])`` staging ``staged[i]``
+    bytes (int64; exact, as in Python integers).
+
+    >>> stream_quotas(np.array([0, 1]), np.array([2, 2]), np.array([3000, 1000]), 1024).tolist()
+    [736, 240]
+    """
+    if not len(staged):
+        return np.zeros(0, np.int64)
+    num = int(max(src.max(), dst.max())) + 1
+    load = np.bincount(src, weights=staged, minlength=num) + np.bincount(dst, weights=staged, minlength=num)
+    load = load.astype(np.int64)  # sums of whole bytes far below 2**53: exact
+    count = np.bincount(src, minlength=num) + np.bincount(dst, minlength=num)
+    room = max_bucket_bytes - ALIGN * np.maximum(count[src], count[dst])
+    most = np.maximum(np.maximum(load[src], load[dst]), 1)
+    if int(np.abs(room).max()) * int(staged.max()) >= 1 << 62:  # the product would leave int64: Python ints
+        room, staged, most = room.astype(object), staged.astype(object), most.astype(object)
+    share = room * staged // most
+    return np.maximum(ALIGN, share - share % ALIGN).astype(np.int64)
