@@ -135,8 +135,8 @@ def _engine_tensors(destination: Layout, precisions: Mapping[str, Precision]
             continue
         check_whole_blocks(name, table, spec.shape, precision.block)
         specs[name], tables[name] = TensorSpec(name, spec.shape, FP8_DTYPE), table
-        key = (id(table.offsets), id(table.sizes), id(table.buffer_offsets), table.one_buffer(), precision.block,
-               precision.scale_suffix)
+        key = (id(table.ranks), id(table.offsets), id(table.sizes), id(table.buffer_offsets), table.one_buffer(),
+               precision.block, precision.scale_suffix)  # tables stay alive while this runs: ids are unique
         scales = scale_tables.get(key)
         if scales is None or scales.buffers != tuple(precision.scale_name(buffer) for buffer in table.buffers):
             scales = scale_tables[key] = scale_table(table, precision.block, precision.scale_suffix)
