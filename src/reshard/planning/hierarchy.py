@@ -46,7 +46,7 @@ import numpy as np
 from ..gc_pause import without_gc
 from ..layout import Layout, PieceTable, Repeated, read_only
 from ..tensors import itemsize
-from .pair_arrays import PairArrays, pair_arrays
+from .pair_arrays import PairArrays
 from .plan import Plan, domain_array
 from .rank_plan import RankPlan
 from .schedule import ALIGN, Message, aligned, chunk_stream, round_cap
@@ -177,7 +177,7 @@ class HierarchicalPlan:
         return len(self.phases) if self.is_pipelined else 1
 
     @cached_property
-    def _chunk_pairs(self) -> list[list[dict[tuple[int, int], int]]]:
+    def _chunk_pairs(self) -> list[list[PairArrays]]:
         return [chunk_pair_bytes(phase, self.chunk_of, self.chunks) for phase in self.phases]
 
     def step_rounds(self, cap: int | None = None) -> list[int]:
@@ -195,7 +195,7 @@ class HierarchicalPlan:
         room_of_cap = round_cap(cap)
         out = []
         for members in members_of:
-            arrays = [pair_arrays(pairs) for _, pairs in members]
+            arrays = [pairs for _, pairs in members]
             width = max((int(max(a.src.max(), a.dst.max())) + 1 for a in arrays if len(a)), default=0)
             load = np.zeros(width, np.int64)  # what each rank stages over the step, every phase in it together
             count = np.zeros(width, np.int64)
@@ -253,9 +253,9 @@ class HierarchicalPlan:
         self._steps[rank] = steps
         return steps
 
-    def step_pair_bytes(self) -> list[list[tuple[int, dict[tuple[int, int], int]]]]:
-        """Per step, ``(phase index, {(src, dst): bytes})`` of every phase in it: the bytes of the
-        phase's chunk (from the plan's arrays, no rank's part built); the cost model's input."""
+    def step_pair_bytes(self) -> list[list[tuple[int, PairArrays]]]:
+        """Per step, ``(phase index, {(src, dst): bytes})`` (a :class:`PairArrays`) of every phase in it:
+        the bytes of the phase's chunk (from the plan's arrays, no rank's part built); the cost model's input."""
         per_phase = self._chunk_pairs
         return [[(p, per_phase[p][s - p]) for p in range(len(self.phases)) if 0 <= s - p < self.chunks]
                 for s in range(self.chunks + len(self.phases) - 1)]
@@ -405,7 +405,7 @@ def chunk_pair_bytes(phase: Plan, chunk_of: Mapping[str, Bands], chunks: int) ->
         items = members[0][0].items
         frac = Bands(0, count).chunk_shares(rows, chunks, items.offsets[:, 0], items.sizes[:, 0])
         _family_codes(members, frac, rotation, chunks, width, codes, weights)
-    out_src, out_dst, out_bytes = [np.zeros(0, np.int64)] * 3
+    keys = out_src = out_dst = out_bytes = np.zeros(0, np.int64)
     if codes:
         code, weight = np.concatenate(codes), np.concatenate(weights)
         if chunks * w2 <= DENSE_CODES:
@@ -419,7 +419,7 @@ def chunk_pair_bytes(phase: Plan, chunk_of: Mapping[str, Bands], chunks: int) ->
         out_src, out_dst = pair // width, pair % width
         keep = (sums > 0.5) & (out_src != out_dst)
         keys, out_src, out_dst, out_bytes = keys[keep], out_src[keep], out_dst[keep], np.rint(sums[keep]).astype(np.int64)
-    edges = np.searchsorted(keys // w2 if codes else np.zeros(0, np.int64), np.arange(chunks + 1))
+    edges = np.searchsorted(keys // w2, np.arange(chunks + 1))
     return [PairArrays(out_src[a:b], out_dst[a:b], out_bytes[a:b]) for a, b in zip(edges[:-1], edges[1:])]
 
 

@@ -54,16 +54,4 @@ class PairArrays(Mapping):
                 + np.bincount(self.dst, weights=w, minlength=num_ranks)).astype(np.int64)
 
 
-def pair_arrays(pairs: Mapping[tuple[int, int], int]) -> PairArrays:
-    """``pairs`` (whole bytes) as :class:`PairArrays` (itself if it is one), in its order.
-
-    >>> pair_arrays({(0, 2): 5}).src.tolist()
-    [0]
-    """
-    if isinstance(pairs, PairArrays):
-        return pairs
-    ranks = np.array(list(pairs.keys()), np.int64).reshape(-1, 2)
-    return PairArrays(ranks[:, 0], ranks[:, 1], np.fromiter(pairs.values(), np.int64, len(pairs)))
-
-
-__all__ = ["PairArrays", "pair_arrays"]
+__all__ = ["PairArrays"]

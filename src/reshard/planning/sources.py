@@ -220,17 +220,10 @@ class _SourceChooser:
         heap = [(load[ranks[x]], ranks[x], x) for x in pool]
         heapq.heapify(heap)
         pop, push, instances, orders = heapq.heappop, heapq.heappush, range(num_instances), self.orders
-        if num_instances == 1:
-            replace = heapq.heapreplace
-            for _, index, column in run:
-                rank_load, rank, position = heap[0]
-                orders[index][column] = [position]
-                replace(heap, (rank_load + size, rank, position))
-        else:
-            for _, index, column in run:
-                picked = [pop(heap) for _ in instances]
-                orders[index][column] = [position for _, _, position in picked]
-                for rank_load, rank, position in picked:
-                    push(heap, (rank_load + size, rank, position))
+        for _, index, column in run:
+            picked = [pop(heap) for _ in instances]
+            orders[index][column] = [position for _, _, position in picked]
+            for rank_load, rank, position in picked:
+                push(heap, (rank_load + size, rank, position))
         for rank_load, rank, _ in heap:
             load[rank] = rank_load
