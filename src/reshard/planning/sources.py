@@ -174,14 +174,9 @@ class _SourceChooser:
         ranks = self._start_group(index)[column]
         pool, load = self._pool(index, column, ranks)
         num_instances = len(group.tensors)
+        if len(pool) > num_instances and (group.nbytes.strides[0] == 0 or num_instances == 1):
+            return self._deal_stretch(work, start)
         end = self._run_end(work, start)
-        nbytes = group.nbytes[:, group.choice_cols[column]]
-        if len(pool) > num_instances and (nbytes.strides[0] == 0 or num_instances == 1):
-            if num_instances == 1:  # the next groups' columns alike join the run: one tensor each, dealt alike
-                home = self.homes[index][column] if self.domain_of is not None else None
-                end = self._single_run_end(work, end, ranks, home)
-            self._deal_one_each(work[start:end], num_instances, pool, load, int(nbytes[0]))
-            return end
         order = _by_load(pool, ranks, load, num_instances)
         dealt = dealt_bytes(group, column, len(order))
         if not (len(order) == len(pool) and dealt.count(dealt[0]) == len(dealt)):
@@ -194,18 +189,40 @@ class _SourceChooser:
             orders[same] = order
         return end
 
-    def _single_run_end(self, work: list[Work], end: int, ranks: list[int], home: int | None) -> int:
-        """End of the run extended from ``end`` over the next columns, of any group, of one tensor with
-        the same bytes, candidate ranks (and near domain, :func:`_near_homes`): dealt one after the
-        other, each to the least loaded, whatever their group."""
-        neg_bytes = work[end - 1][0]
-        groups, start_group, homes = self.groups, self._start_group, self.homes
+    def _deal_stretch(self, work: list[Work], start: int) -> int:
+        """Deal the columns from ``work[start]`` on whose candidates are more than their instances (one
+        size each: every instance takes another candidate), as long as any two of their pools are the
+        same or share no rank; returns where the next column starts.
+
+        A column reads and adds to the load of its pool's ranks only, so columns of pools sharing no
+        rank can be dealt in any order: the columns of each pool are dealt together, in the order of
+        ``work`` (with a heap), and every choice is the one dealing them one by one would make. Pools
+        balanced by another load (near, far) never meet."""
+        runs: dict[tuple, list[Work]] = {}
+        used: dict[bool, set[int]] = {False: set(), True: set()}  # ranks of the stretch's pools, per load
+        groups, start_group, pool_of = self.groups, self._start_group, self._pool
+        end = start
         while end < len(work):
-            next_bytes, index, column = work[end]
-            if (next_bytes != neg_bytes or len(groups[index].tensors) != 1 or start_group(index)[column] != ranks
-                    or (home is not None and homes[index][column] != home)):
+            neg_bytes, index, column = work[end]
+            group = groups[index]
+            num_instances = len(group.tensors)
+            ranks = start_group(index)[column]
+            pool, load = pool_of(index, column, ranks)
+            if not (len(pool) > num_instances and (group.nbytes.strides[0] == 0 or num_instances == 1)):
                 break
+            near = load is self.near_load
+            key = (tuple(ranks), tuple(pool), near, num_instances, -neg_bytes // num_instances)
+            run = runs.get(key)
+            if run is None:
+                members = [ranks[x] for x in pool]
+                if not used[near].isdisjoint(members):
+                    break  # a pool overlapping another: its order against it matters
+                used[near].update(members)
+                run = runs[key] = []
+            run.append(work[end])
             end += 1
+        for (_, pool, near, num_instances, size), run in runs.items():
+            self._deal_one_each(run, num_instances, pool, self.near_load if near else self.load, size)
         return end
 
     def _deal_one_each(self, run: list[Work], num_instances: int, pool, load: list[int], size: int) -> None:
