@@ -62,26 +62,28 @@ class GeometryGroup:
         return int(self.choice_piece[instance, column]), int(self.choice_rank[instance, column])
 
 
-def items_key(src_table: PieceTable, dst_table: PieceTable) -> bytes:
+def items_key(src_table: PieceTable, dst_table: PieceTable) -> bytes | tuple:
     """What :func:`~reshard.planning.intersect.tensor_items` depends on: the boxes of both sides, which
     pieces of each side share a rank (and the ranks' order), and where source ranks are also
     destination ranks; not the rank numbers themselves (intersection reads ranks only to compare and
     order them): the expert-parallel groups of every pipeline stage, and each expert into its own
-    inference GPU, plan alike."""
+    inference GPU, plan alike. (A key of a few pieces is a tuple, of more a byte string: the size
+    decides which, so tables alike get keys alike.)"""
     src_ranks, dst_ranks = src_table.ranks, dst_table.ranks
     if len(src_ranks) + len(dst_ranks) <= SMALL_TABLES:  # a few pieces (an expert at scale): in Python, no sort
-        dst_order = {r: i for i, r in enumerate(sorted(set(dst_ranks.tolist())))}
-        src_order = {r: i for i, r in enumerate(sorted(set(src_ranks.tolist())))}
-        src_rank_ids = np.array([src_order[r] for r in src_ranks.tolist()], np.int64)
-        dst_rank_ids = np.array([dst_order[r] for r in dst_ranks.tolist()], np.int64)
-        local = np.array([dst_order.get(r, -1) for r in src_ranks.tolist()], np.int64)
-    else:
-        _, src_rank_ids = np.unique(src_ranks, return_inverse=True)
-        dst_unique, dst_rank_ids = np.unique(dst_ranks, return_inverse=True)
-        at = np.searchsorted(dst_unique, src_ranks)
-        at = np.minimum(at, max(len(dst_unique) - 1, 0))
-        is_destination = (dst_unique[at] == src_ranks) if len(dst_unique) else np.zeros(len(src_ranks), bool)
-        local = np.where(is_destination, at, -1)
+        src_list, dst_list = src_ranks.tolist(), dst_ranks.tolist()
+        dst_order = {r: i for i, r in enumerate(sorted(set(dst_list)))}
+        src_order = {r: i for i, r in enumerate(sorted(set(src_list)))}
+        ids = (tuple([src_order[r] for r in src_list]), tuple([dst_order.get(r, -1) for r in src_list]),
+               tuple([dst_order[r] for r in dst_list]))
+        return (src_table.offsets.shape, src_table.offsets.tobytes(), src_table.sizes.tobytes(),
+                dst_table.offsets.shape, dst_table.offsets.tobytes(), dst_table.sizes.tobytes(), ids)
+    _, src_rank_ids = np.unique(src_ranks, return_inverse=True)
+    dst_unique, dst_rank_ids = np.unique(dst_ranks, return_inverse=True)
+    at = np.searchsorted(dst_unique, src_ranks)
+    at = np.minimum(at, max(len(dst_unique) - 1, 0))
+    is_destination = (dst_unique[at] == src_ranks) if len(dst_unique) else np.zeros(len(src_ranks), bool)
+    local = np.where(is_destination, at, -1)
     return b"|".join([np.array(src_table.offsets.shape, np.int64).tobytes(), src_table.offsets.tobytes(),
                       src_table.sizes.tobytes(), src_rank_ids.astype(np.int64).tobytes(),
                       local.astype(np.int64).tobytes(), np.array(dst_table.offsets.shape, np.int64).tobytes(),
@@ -111,12 +113,18 @@ def _by_geometry(source: Layout, destination: Layout, tensors: list[str]) -> lis
     return list(keyed.values())
 
 
-def _itemsizes(destination: Layout, names: list[str], num_pieces: int) -> np.ndarray:
+def _itemsizes(destination: Layout, names: list[str], num_pieces: int, rows: dict | None = None) -> np.ndarray:
     """Itemsize of every destination piece of each of ``names`` ``[1 or len(names), num_pieces]``
-    (one row, often a broadcast view, where all agree)."""
+    (one row, often a broadcast view, where all agree); ``rows``: a dict kept over one grouping, where
+    the broadcast rows of one size are made once."""
     single = destination.single_itemsize
     if single is not None:  # one dtype for every buffer (at scale): no look-up per tensor
-        return _broadcast_row(single, num_pieces)
+        if rows is None:
+            return _broadcast_row(single, num_pieces)
+        row = rows.get((single, num_pieces))
+        if row is None:
+            row = rows[(single, num_pieces)] = _broadcast_row(single, num_pieces)
+        return row
     quick = {destination.buffer_itemsize(name) for name in names}
     if len(quick) == 1 and None not in quick:  # one buffer dtype for every piece of every tensor
         return _broadcast_row(quick.pop(), num_pieces)
@@ -157,24 +165,25 @@ class _ItemParts:
 
 
 def _make_group(items: TensorItems, parts: _ItemParts, names: list[str], tensor_index: np.ndarray,
-                src_table: PieceTable, dst_table: PieceTable, itemsizes: np.ndarray, item_bytes: dict
+                src_table: PieceTable, dst_table: PieceTable, itemsizes: np.ndarray, shared: dict
                 ) -> GeometryGroup:
     """The group of ``names`` (one geometry, its ``items``), with every source that needs no choice;
-    ``item_bytes``: a dict kept over one grouping (bytes per item of an intersection in one itemsize)."""
+    ``shared``: a dict kept over one grouping (bytes per item of an intersection in one itemsize, and
+    their views over as many instances: read-only arrays groups alike share)."""
     num_instances, num_multi = len(names), len(parts.multi)
     if itemsizes.shape[0] == 1 and itemsizes.strides[1] == 0:  # one itemsize: bytes per item shared
-        key = (id(items), int(itemsizes[0, 0]))
-        nbytes = item_bytes.get(key)
+        key = (id(items), int(itemsizes[0, 0]), num_instances)
+        nbytes = shared.get(key)
         if nbytes is None:
-            nbytes = item_bytes[key] = read_only((parts.volume * int(itemsizes[0, 0]),))[0][None, :]
+            row = read_only((parts.volume * int(itemsizes[0, 0]),))[0][None, :]
+            nbytes = shared[key] = np.broadcast_to(row, (num_instances, len(items)))
     else:
-        nbytes = itemsizes[:, items.dst_piece] * parts.volume[None, :]
+        nbytes = np.broadcast_to(itemsizes[:, items.dst_piece] * parts.volume[None, :], (num_instances, len(items)))
     dst_rank = dst_table.ranks[items.dst_piece]
     rank = dst_rank.copy()  # fan-out: the destination rank itself
     rank[parts.from_source] = src_table.ranks[parts.piece[parts.from_source]]
     return GeometryGroup(
-        items, names, tensor_index, parts.piece, rank, dst_rank,
-        np.broadcast_to(nbytes, (num_instances, len(items))),
+        items, names, tensor_index, parts.piece, rank, dst_rank, nbytes,
         parts.multi, np.zeros((num_instances, num_multi), np.int64), np.zeros((num_instances, num_multi), np.int64),
     )
 
@@ -185,7 +194,7 @@ def group_tensors(source: Layout, destination: Layout, tensors: list[str]) -> li
     position = {name: i for i, name in enumerate(tensors)}
     groups: list[GeometryGroup] = []
     same_boxes: dict[bytes, tuple[TensorItems, _ItemParts]] = {}
-    item_bytes: dict = {}
+    shared: dict = {}  # arrays groups alike share (read-only)
     for names in _by_geometry(source, destination, tensors):
         first = names[0]
         src_table, dst_table = source.tables[first], destination.tables[first]
@@ -196,5 +205,5 @@ def group_tensors(source: Layout, destination: Layout, tensors: list[str]) -> li
             hit = same_boxes[key] = (items, _ItemParts.of(items))
         tensor_index = np.array([position[name] for name in names], np.int64)
         groups.append(_make_group(*hit, names, tensor_index, src_table, dst_table,
-                                  _itemsizes(destination, names, len(dst_table)), item_bytes))
+                                  _itemsizes(destination, names, len(dst_table), shared), shared))
     return groups

@@ -38,7 +38,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from bisect import bisect_right
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Mapping, NamedTuple
 
 import numpy as np
@@ -568,10 +568,28 @@ def _with_tables(layout: Layout, tables: Mapping[str, PieceTable]) -> Layout:
     return Layout(layout.specs, tables, {r: layout.buffer_map(r) for r in layout.ranks}, validate=False)
 
 
-def _rows_of(t: PieceTable, rows: np.ndarray) -> tuple[np.ndarray, ...]:
+def _rows_of(t: PieceTable, rows: np.ndarray, cache: dict | None = None) -> tuple[np.ndarray, ...]:
     """Read-only ranks, offsets, sizes of ``rows``: shared by the tables of every tensor with
-    this geometry and receiver choice (the planner then sees one geometry by identity)."""
-    return read_only((t.ranks[rows], t.offsets[rows], t.sizes[rows]))
+    this geometry and receiver choice (the planner then sees one geometry by identity); ``cache``: a
+    dict kept over one split, where tables sharing offsets and sizes arrays share the restricted ones
+    (the cache holds what its keys name)."""
+    if cache is None:
+        return read_only((t.ranks[rows], t.offsets[rows], t.sizes[rows]))
+    key = (id(t.offsets), id(t.sizes), rows.tobytes())
+    hit = cache.get(key)
+    if hit is None:
+        hit = cache[key] = (t.offsets, t.sizes) + read_only((t.offsets[rows], t.sizes[rows]))
+    return read_only((t.ranks[rows],)) + hit[2:]
+
+
+@lru_cache(maxsize=4096)
+def _kept_rows(num_rows: int, relay_rows: tuple[int, ...], seeds: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """(rows a seeds table keeps, rows relayed) of a receivers table of ``num_rows`` rows whose
+    ``relay_rows`` need a relay, ``seeds`` of them taking the box from a source (read-only)."""
+    keep = np.ones(num_rows, bool)
+    keep[list(relay_rows)] = False
+    keep[list(seeds)] = True
+    return read_only((np.flatnonzero(keep), np.flatnonzero(~keep)))
 
 
 def _subset(t: PieceTable, rows: np.ndarray, shared: tuple[np.ndarray, ...], cache: dict | None = None
@@ -782,11 +800,22 @@ def _dealt_seeds(members: np.ndarray, extra: int, n: int, units: int = SEED_UNIT
     >>> dealt(1, 6, units=3)       # runs of 2 tensors
     [[7], [7], [8], [8], [9], [9]]
     """
-    c, u = len(members), min(n, units)
-    q, r = divmod(u * extra, c)
-    ends = np.cumsum(q + (np.arange(c) < r))
+    slots, run, _ = _seed_slots(len(members), extra, n, units)
+    return members[np.array(slots, np.int64).reshape(len(slots), extra)], np.array(run, np.int64)
+
+
+@lru_cache(maxsize=4096)
+def _seed_slots(count: int, extra: int, n: int, units: int = SEED_UNITS
+                ) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...], tuple[int, ...]]:
+    """:func:`_dealt_seeds` as positions among ``count`` members: (per run, its seeds' positions;
+    per tensor, its run; per run, its tensors), the same for every box of these counts."""
+    u = min(n, units)
+    q, r = divmod(u * extra, count)
+    ends = np.cumsum(q + (np.arange(count) < r))
     slots = np.arange(extra)[None, :] * u + np.arange(u)[:, None]
-    return members[np.searchsorted(ends, slots, side="right")], np.arange(n) * u // max(n, 1)
+    run = np.arange(n) * u // max(n, 1)
+    return (tuple(map(tuple, np.searchsorted(ends, slots, side="right").tolist())), tuple(run.tolist()),
+            tuple(np.bincount(run, minlength=u).tolist()))
 
 
 def split_relays(receivers: Layout, source: Layout, domains: Mapping[int, int]) -> tuple[Layout, Layout | None]:
@@ -831,21 +860,27 @@ def split_relays(receivers: Layout, source: Layout, domains: Mapping[int, int]) 
             work.append((-int(t.sizes[members[0]].prod()) * isz, gi, bi))
         found.append((names, t, boxes, []))
     work.sort()
+    member_lists: dict[int, list[int]] = {}  # per members array (boxes alike share them, alive meanwhile)
     for negb, gi, bi in work:
         names, t, boxes, dealt = found[gi]
         members, extra = boxes[bi]
+        rows = member_lists.get(id(members))
+        if rows is None:
+            rows = member_lists[id(members)] = members.tolist()
         ranks = t.ranks[members].tolist()
         order = sorted(range(len(ranks)), key=lambda x: (load[ranks[x]], ranks[x]))
-        seeds_of_run, run = _dealt_seeds(members[order], extra, len(names))
+        slots, run, run_sizes = _seed_slots(len(members), extra, len(names))  # as _dealt_seeds deals them
         per_slot = -negb * (len(members) - extra) // (len(names) * max(extra, 1))  # relay bytes one seed sends
-        for row_seeds, k in zip(t.ranks[seeds_of_run].tolist(), np.bincount(run).tolist()):
-            for r in row_seeds:
-                load[r] += per_slot * k
-        dealt.append((bi, seeds_of_run[run]))
+        for run_slots, k in zip(slots, run_sizes):
+            for j in run_slots:
+                load[ranks[order[j]]] += per_slot * k
+        seeds_of_run = [tuple([rows[order[j]] for j in run_slots]) for run_slots in slots]
+        dealt.append((bi, [seeds_of_run[i] for i in run]))
     seeds: dict[str, PieceTable] = {}
     relayed: dict[str, PieceTable] = {}
     empty = np.zeros(0, np.int64)
     offsets_of: dict = {}  # restricted buffer offsets, shared by tables alike
+    shared_rows: dict = {}  # restricted offsets and sizes, shared by tables alike
     for names, t, boxes, dealt in found:
         if not boxes:
             none = _rows_of(t, empty)  # tensors with no piece relayed share the empty arrays
@@ -855,17 +890,14 @@ def split_relays(receivers: Layout, source: Layout, domains: Mapping[int, int]) 
             continue
         dealt.sort(key=lambda o: o[0])
         index: dict[tuple, int] = {}  # each tensor's seed rows, the same patterns once
-        which = [index.setdefault(tuple(rows), len(index))
-                 for rows in np.concatenate([rows for _, rows in dealt], axis=1).tolist()]
-        patterns = [list(rows) for rows in index]
-        relay_rows = np.concatenate([boxes[bi][0] for bi, _ in dealt])
+        per_tensor = (dealt[0][1] if len(dealt) == 1 else
+                      [sum(rows, ()) for rows in zip(*[seeds for _, seeds in dealt])])
+        which = [index.setdefault(rows, len(index)) for rows in per_tensor]
+        relay_rows = tuple(row for bi, _ in dealt for row in member_lists[id(boxes[bi][0])])
         cut = []
-        for pat in patterns:
-            keep = np.ones(len(t), bool)
-            keep[relay_rows] = False
-            keep[pat] = True
-            kr, rr = np.flatnonzero(keep), np.flatnonzero(~keep)
-            cut.append((kr, _rows_of(t, kr), rr, _rows_of(t, rr)))
+        for pat in index:
+            kr, rr = _kept_rows(len(t), relay_rows, pat)
+            cut.append((kr, _rows_of(t, kr, shared_rows), rr, _rows_of(t, rr, shared_rows)))
         for name, w in zip(names, which):
             own = receivers.tables[name]
             seeds[name] = _subset(own, cut[w][0], cut[w][1], offsets_of)

@@ -118,16 +118,24 @@ class _SourceChooser:
     def _work(self) -> list[Work]:
         """Every choice column, largest first; sets each rank's load from the copies with one candidate."""
         domains = self.domains
-        fixed_load = np.zeros(max(self.source.ranks, default=0) + 1, np.int64)
+        fixed_of: dict[int, np.ndarray] = {}  # per intersection (groups alike share it): remote items of one candidate
+        ranks, nbytes = [], []  # of the fixed copies that load a rank
         work: list[Work] = []
         for index, group in enumerate(self.groups):
-            fixed = np.flatnonzero((group.items.kind == REMOTE) & (group.choice_of < 0))
-            if domains is not None:
-                fixed = fixed[domains[group.rank[fixed]] != domains[group.dst_rank[fixed]]]
-            fixed_load += np.bincount(group.rank[fixed], weights=group.total_bytes[fixed],
-                                      minlength=len(fixed_load)).astype(np.int64)
-            work.extend(zip((-group.total_bytes[group.choice_cols]).tolist(), itertools.repeat(index),
-                            range(len(group.choice_cols))))
+            fixed = fixed_of.get(id(group.items))  # the items live as long as the groups
+            if fixed is None:
+                fixed = fixed_of[id(group.items)] = np.flatnonzero((group.items.kind == REMOTE) & (group.choice_of < 0))
+            if len(fixed):
+                if domains is not None:
+                    fixed = fixed[domains[group.rank[fixed]] != domains[group.dst_rank[fixed]]]
+                ranks.append(group.rank[fixed])
+                nbytes.append(group.total_bytes[fixed])
+            if len(group.choice_cols):
+                work.extend(zip((-group.total_bytes[group.choice_cols]).tolist(), itertools.repeat(index),
+                                range(len(group.choice_cols))))
+        fixed_load = np.zeros(max(self.source.ranks, default=0) + 1, np.int64)
+        if ranks:  # exact: integer sums
+            np.add.at(fixed_load, np.concatenate(ranks), np.concatenate(nbytes).astype(np.int64))
         work.sort()
         self.load = fixed_load.tolist()  # plain ints: the dealing does a few list operations per copy
         self.near_load = [0] * len(self.load)
