@@ -203,3 +203,29 @@ def test_restricted_buffer_offsets_stay_right_when_an_earlier_rows_array_is_gone
     sub = _subset(table, later, _rows_of(table, later), cache)
     assert sub.buffer_offsets.tolist() == [[20], [60]]
     assert len(sub.buffer_offsets) == len(sub)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_relay_boxes_of_a_few_rows_are_those_numpy_finds(data):
+    """The Python path for small receivers tables (experts at scale) gives the boxes, members, their
+    order and seed counts of the numpy path."""
+    from reshard.planning.hierarchy import _relay_boxes_large, _relay_boxes_small
+    from reshard.piece_table import PieceTable, Repeated
+
+    boxes = [((0, 0), (4, 8)), ((4, 0), (4, 8)), ((0, 0), (8, 8)), ((0, 4), (8, 4))]
+    rows = data.draw(st.lists(st.tuples(st.integers(0, 31), st.sampled_from(boxes)), min_size=1, max_size=16))
+    held = data.draw(st.lists(st.tuples(st.integers(32, 47), st.sampled_from(boxes)), min_size=1, max_size=4))
+    dom = np.array(data.draw(st.lists(st.integers(0, 7), min_size=48, max_size=48)), np.int64)
+
+    def table(pieces):
+        ranks = np.array([r for r, _ in pieces], np.int64)
+        offsets = np.array([o for _, (o, _) in pieces], np.int64)
+        sizes = np.array([s for _, (_, s) in pieces], np.int64)
+        return PieceTable(ranks, offsets, sizes, Repeated("w", len(pieces)), offsets.copy())
+
+    t, source = table(rows), table(held)
+    gpus = np.bincount(dom[t.ranks], minlength=8)
+    copies = data.draw(st.integers(1, 3))
+    small, large = _relay_boxes_small(t, source, dom, copies, gpus), _relay_boxes_large(t, source, dom, copies, gpus)
+    assert [(m.tolist(), e) for m, e in small] == [(m.tolist(), e) for m, e in large]

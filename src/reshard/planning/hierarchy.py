@@ -46,6 +46,7 @@ import numpy as np
 from ..gc_pause import without_gc
 from ..layout import Layout, PieceTable, Repeated, read_only
 from ..tensors import itemsize
+from .geometry_groups import SMALL_TABLES
 from .pair_arrays import PairArrays
 from .plan import Plan, domain_array
 from .rank_plan import RankPlan
@@ -599,9 +600,15 @@ def _subset(t: PieceTable, rows: np.ndarray, shared: tuple[np.ndarray, ...], cac
     the cache holds both arrays, so neither id is reused while it lives, even where the caller
     lets ``rows`` go)."""
     b = t.one_buffer()
-    names = Repeated(b, len(rows)) if b is not None else tuple(t.buffers[r] for r in rows.tolist())
     if cache is None:
+        names = Repeated(b, len(rows)) if b is not None else tuple(t.buffers[r] for r in rows.tolist())
         return PieceTable(*shared, names, t.buffer_offsets[rows])
+    if b is not None:  # one name on every row: the sequence shared too
+        names = cache.get((b, len(rows)))
+        if names is None:
+            names = cache[(b, len(rows))] = Repeated(b, len(rows))
+    else:
+        names = tuple(t.buffers[r] for r in rows.tolist())
     key = (id(t.buffer_offsets), id(rows))
     hit = cache.get(key)
     if hit is None:
@@ -764,6 +771,14 @@ def _relay_boxes(t: PieceTable, st: PieceTable, dom: np.ndarray, copies: int, gp
     ranks in each domain."""
     if len(t) <= copies:
         return []
+    if len(t) <= SMALL_TABLES:  # a few pieces (an expert at scale): in Python, the same boxes in the same order
+        return _relay_boxes_small(t, st, dom, copies, gpus)
+    return _relay_boxes_large(t, st, dom, copies, gpus)
+
+
+def _relay_boxes_large(t: PieceTable, st: PieceTable, dom: np.ndarray, copies: int, gpus: np.ndarray
+                       ) -> list[tuple[np.ndarray, int]]:
+    """:func:`_relay_boxes` with numpy: its distinct boxes in sorted order (``np.unique``)."""
     boxes = np.concatenate([t.offsets, t.sizes], axis=1)
     _, inv, counts = np.unique(boxes, axis=0, return_inverse=True, return_counts=True)
     inv = inv.reshape(-1)
@@ -777,6 +792,30 @@ def _relay_boxes(t: PieceTable, st: PieceTable, dom: np.ndarray, copies: int, gp
             extra = seed_count(extra, len(members), float(gpus[dom[t.ranks[members]]].mean()))
         if len(members) > extra:
             out.append((members[np.argsort(dom[t.ranks[members]], kind="stable")], extra))
+    return out
+
+
+def _relay_boxes_small(t: PieceTable, st: PieceTable, dom: np.ndarray, copies: int, gpus: np.ndarray
+                       ) -> list[tuple[np.ndarray, int]]:
+    """:func:`_relay_boxes` in Python, for a table of a few rows: the answer of :func:`_relay_boxes_large`."""
+    rows_of: dict[tuple, list[int]] = {}
+    for i, box in enumerate(map(tuple, np.concatenate([t.offsets, t.sizes], axis=1).tolist())):
+        rows_of.setdefault(box, []).append(i)
+    fetching = set(dom[st.ranks].tolist())  # domains holding a source piece fetch directly
+    domain = dom[t.ranks].tolist()
+    out = []
+    for box in sorted(rows_of):
+        rows = rows_of[box]
+        if len(rows) <= copies:
+            continue
+        members = [i for i in rows if domain[i] not in fetching]
+        extra = max(copies - (len(rows) - len(members)), 0)
+        if not members:
+            continue
+        if extra:
+            extra = seed_count(extra, len(members), sum(int(gpus[domain[i]]) for i in members) / len(members))
+        if len(members) > extra:
+            out.append((np.array(sorted(members, key=domain.__getitem__), np.int64), extra))
     return out
 
 
@@ -848,6 +887,7 @@ def split_relays(receivers: Layout, source: Layout, domains: Mapping[int, int]) 
     found = []  # per group: (names, table, relay boxes)
     copies: dict = {}  # source tables with the same boxes hold as many copies
     relays: dict[tuple, list] = {}  # groups alike (domains of the receivers, boxes, copies, source domains)
+    specs = receivers.specs
     for gi, (key, names) in enumerate(groups.items()):
         t, st = receivers.tables[names[0]], source.tables[names[0]]
         n = _source_copies(st, copies)
@@ -855,7 +895,7 @@ def split_relays(receivers: Layout, source: Layout, domains: Mapping[int, int]) 
         boxes = relays.get(alike)
         if boxes is None:  # its boxes' rows depend on nothing else
             boxes = relays[alike] = _relay_boxes(t, st, dom, n, gpus)
-        isz = sum(itemsize(receivers.specs[n].dtype) for n in names)
+        isz = sum([itemsize(specs[n].dtype) for n in names])
         for bi, (members, _) in enumerate(boxes):
             work.append((-int(t.sizes[members[0]].prod()) * isz, gi, bi))
         found.append((names, t, boxes, []))
