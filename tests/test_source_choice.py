@@ -4,32 +4,43 @@ choice must be the one the rule makes dealing the columns one at a time, largest
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import reshard as rs
+from reshard.planning import sources
 from reshard.planning.geometry_groups import group_tensors
-from reshard.planning.sources import _by_load, _SourceChooser, dealt_bytes, fill_choices
+from reshard.planning.sources import BULK_COLUMNS, _near_homes, _SourceChooser, candidate_ranks, dealt_bytes, fill_choices
 from strategies import layout_pairs
 
 
 class OneColumnAtATime(_SourceChooser):
-    """The rule as written: each column in turn, its instances dealt round-robin over its pool's
-    candidates least loaded first, each candidate's load raised by what it is dealt."""
+    """The rule as written: each column in turn, its instances dealt round-robin over its candidates
+    least loaded first (with domains: the candidates in the destination's domain and the load within
+    it, where there are such), each candidate's load raised by what it is dealt."""
 
     def choose(self) -> None:
+        candidates, homes, orders = {}, {}, {}
         for _, index, column in self._work():
             group = self.groups[index]
-            ranks = self._start_group(index)[column]
-            pool, load = self._pool(index, column, ranks)
-            order = _by_load(pool, ranks, load, len(group.tensors))
+            if index not in candidates:
+                candidates[index] = candidate_ranks(group, self.source)
+                homes[index] = (_near_homes(group, self.source, self.domains) if self.domains is not None
+                                else [-1] * len(group.choice_cols))
+                orders[index] = [None] * len(group.choice_cols)
+            ranks, home = candidates[index][column], homes[index][column]
+            pool, load = list(range(len(ranks))), self.load
+            if home >= 0:
+                pool, load = [x for x in pool if self.domains[ranks[x]] == home], self.near_load
+            order = sorted(pool, key=lambda x: (load[ranks[x]], ranks[x]))[:len(group.tensors)]
             for position, gain in zip(order, dealt_bytes(group, column, len(order))):
                 load[ranks[position]] += gain
-            self.orders[index][column] = order
+            orders[index][column] = order
         for index, group in enumerate(self.groups):
             if len(group.choice_cols):
-                fill_choices(group, self.orders[index], self.source)
+                fill_choices(group, orders[index], self.source)
 
 
 def chosen(source: rs.Layout, destination: rs.Layout, domains: np.ndarray | None, chooser) -> list[list[int]]:
@@ -62,18 +73,50 @@ def replicated_tensors(draw):
 
 
 @settings(max_examples=150, deadline=None)
-@given(replicated_tensors(), st.sampled_from([None, 1, 4, 8]))
-def test_stretches_of_one_tensor_columns_choose_as_one_at_a_time(pair, gpus_per_domain):
+@given(replicated_tensors(), st.sampled_from([None, 1, 4, 8]), st.sampled_from([1, BULK_COLUMNS]))
+def test_stretches_of_one_tensor_columns_choose_as_one_at_a_time(pair, gpus_per_domain, bulk):
     source, destination = pair
     domains = domain_array(28, gpus_per_domain)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sources, "BULK_COLUMNS", bulk)  # 1: every group's pools found with numpy
+        assert chosen(source, destination, domains, _SourceChooser) == chosen(source, destination, domains,
+                                                                              OneColumnAtATime)
+
+
+@settings(max_examples=100, deadline=None)
+@given(layout_pairs(), st.sampled_from([None, 2, 4]), st.sampled_from([1, BULK_COLUMNS]))
+def test_runs_choose_as_one_at_a_time_on_random_layouts(case, gpus_per_domain, bulk):
+    ranks = set(case.source.ranks) | set(case.destination.ranks)
+    domains = domain_array(max(ranks) + 1, gpus_per_domain)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sources, "BULK_COLUMNS", bulk)
+        assert chosen(case.source, case.destination, domains, _SourceChooser) == chosen(
+            case.source, case.destination, domains, OneColumnAtATime)
+
+
+@pytest.mark.parametrize("gpus_per_domain", [None, 4, 8])
+@pytest.mark.parametrize("layers", [1, 3])
+def test_many_columns_of_one_group_choose_as_one_at_a_time(gpus_per_domain, layers):
+    """Groups of many choice columns (their pools found with numpy): 64 rows split over 32
+    destination ranks, each layer replicated on 4 or 5 of 12 source ranks."""
+    src, dst = [], []
+    for layer in range(layers):
+        for kind, holders in (("a", [0, 3, 5, 9]), ("b", [1, 2, 6, 10, 11])):
+            spec = rs.TensorSpec(f"l{layer}.{kind}", (64, 4), torch.float32)
+            src.append(rs.Layout.from_placements(spec, holders, (len(holders),), [rs.Replicate()]))
+            dst.append(rs.Layout.from_placements(spec, list(range(12, 44)), (32,), [rs.Shard(0)]))
+    source, destination = rs.Layout.merge(src), rs.Layout.merge(dst)
+    domains = domain_array(44, gpus_per_domain)
     assert chosen(source, destination, domains, _SourceChooser) == chosen(source, destination, domains,
                                                                           OneColumnAtATime)
 
 
 @settings(max_examples=100, deadline=None)
-@given(layout_pairs(), st.sampled_from([None, 2, 4]))
-def test_runs_choose_as_one_at_a_time_on_random_layouts(case, gpus_per_domain):
-    ranks = set(case.source.ranks) | set(case.destination.ranks)
-    domains = domain_array(max(ranks) + 1, gpus_per_domain)
-    assert chosen(case.source, case.destination, domains, _SourceChooser) == chosen(
-        case.source, case.destination, domains, OneColumnAtATime)
+@given(st.lists(st.lists(st.integers(-3, 3), min_size=3, max_size=3), min_size=1, max_size=30))
+def test_distinct_rows_group_rows_as_numpy_unique_does(rows):
+    from reshard.planning.sources import _distinct_rows
+
+    rows = np.array(rows, np.int64)
+    first, inverse = _distinct_rows(rows)
+    assert (rows[first][inverse] == rows).all()  # each row's representative equals it
+    assert len(first) == len(np.unique(rows, axis=0))  # and distinct rows have distinct representatives

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from typing import NamedTuple
 
 import numpy as np
 
@@ -92,6 +93,42 @@ def _by_load(pool, ranks: list[int], load: list[int], count: int) -> list[int]:
     return sorted(pool, key=lambda x: (load[ranks[x]], ranks[x]))[:count]
 
 
+class _Pool(NamedTuple):
+    """The candidates columns alike are dealt over: ``ranks`` (a column's candidate ranks, in its
+    order: orders are positions in it), ``positions`` (those dealt over: the near ones, or all),
+    whether they are balanced by the near load, and their ranks."""
+
+    ranks: list[int]
+    positions: range | list[int]
+    near: bool
+    members: list[int]
+
+
+BULK_COLUMNS = 32  # groups with at least this many choice columns find their pools with numpy
+
+
+def _distinct_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(a row of each distinct value, the distinct value of each row) of an int64 matrix: rows hashed to
+    one int64 each (checked: ``np.unique(axis=0)`` where two rows alike in hash differ); the columns of
+    a group usually share their candidates, so usually there is one.
+
+    >>> rows = np.array([[3, 4], [1, 2], [3, 4]])
+    >>> first, inverse = _distinct_rows(rows)
+    >>> len(first), bool((rows[first][inverse] == rows).all()), bool(inverse[0] == inverse[2])
+    (2, True, True)
+    """
+    if (rows == rows[0]).all():
+        return np.zeros(1, np.int64), np.zeros(len(rows), np.int64)
+    weights = np.random.default_rng(len(rows[0])).integers(1, 1 << 62, rows.shape[1]) | 1
+    hashed = (rows * weights).sum(axis=1)  # wraps around in int64: a hash
+    _, first, inverse = np.unique(hashed, return_index=True, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    if (rows == rows[first][inverse]).all():
+        return first, inverse
+    _, first, inverse = np.unique(rows, axis=0, return_index=True, return_inverse=True)
+    return first, inverse.reshape(-1)
+
+
 class _SourceChooser:
     """The state of one source choice: every source rank's load so far and each column's order."""
 
@@ -102,8 +139,9 @@ class _SourceChooser:
         self.domain_of = domains.tolist() if domains is not None else None
         self.load: list[int] = []  # bytes each rank sends (with domains: out of the destination's domain)
         self.near_load: list[int] = []  # bytes sent within the destination's domain
-        self.candidates: dict[int, list[list[int]]] = {}  # per group, per choice column: candidate ranks
-        self.homes: dict[int, list[int]] = {}  # per group, per choice column: the destination's domain
+        self.pools: list[_Pool] = []  # by id
+        self.pool_ids: dict[tuple, int] = {}  # (candidate ranks, near domain or -1) -> its pool's id
+        self.pool_of: dict[int, list[int]] = {}  # per group, per choice column: its pool's id
         self.orders: dict[int, list[list[int]]] = {}  # per group, per choice column: candidates in dealing order
 
     def choose(self) -> None:
@@ -141,37 +179,57 @@ class _SourceChooser:
         self.near_load = [0] * len(self.load)
         return work
 
-    def _start_group(self, index: int) -> list[list[int]]:
-        """Candidate ranks of group ``index``'s choice columns (its state made on first use)."""
-        ranks = self.candidates.get(index)
-        if ranks is None:
+    def _start_group(self, index: int) -> list[int]:
+        """The pool id of each of group ``index``'s choice columns (its state made on first use)."""
+        ids = self.pool_of.get(index)
+        if ids is None:
             group = self.groups[index]
-            ranks = self.candidates[index] = candidate_ranks(group, self.source)
-            if self.domain_of is not None:
-                self.homes[index] = _near_homes(group, self.source, self.domains)
-            self.orders[index] = [[]] * len(group.choice_cols)
-        return ranks
+            items, cols = group.items, group.choice_cols
+            ranks = self.source.tables[group.tensors[0]].ranks[items.candidates]  # of every candidate
+            homes = (_near_homes(group, self.source, self.domains) if self.domain_of is not None
+                     else [-1] * len(cols))
+            starts, counts = items.cand_start[cols], items.cand_count[cols]
+            if len(cols) < BULK_COLUMNS:
+                flat = ranks.tolist()
+                ids = [self._pool_id(tuple(flat[a: a + n]), home)
+                       for a, n, home in zip(starts.tolist(), counts.tolist(), homes)]
+            else:  # columns alike found with numpy, each distinct one interned once
+                found = np.zeros(len(cols), np.int64)
+                homes_array = np.array(homes, np.int64)
+                for n in np.unique(counts).tolist():
+                    some = np.flatnonzero(counts == n)
+                    rows = np.concatenate([ranks[starts[some][:, None] + np.arange(n)], homes_array[some][:, None]],
+                                          axis=1)
+                    first, inverse = _distinct_rows(rows)
+                    interned = [self._pool_id(tuple(row[:-1]), row[-1]) for row in rows[first].tolist()]
+                    found[some] = np.array(interned, np.int64)[inverse]
+                ids = found.tolist()
+            self.pool_of[index] = ids
+            self.orders[index] = [[]] * len(cols)
+        return ids
 
-    def _pool(self, index: int, column: int, ranks: list[int]) -> tuple[range | list[int], list[int]]:
-        """The candidates (positions in ``ranks``) column ``column`` of group ``index`` is dealt over,
-        and the load they are balanced by: the near ones and the near load, where there are near ones."""
-        pool: range | list[int] = range(len(ranks))
-        if self.domain_of is not None:
-            domain_of, home = self.domain_of, self.homes[index][column]
+    def _pool_id(self, ranks: tuple[int, ...], home: int) -> int:
+        """The id of the pool of a column with candidate ``ranks`` whose destination's domain is ``home``
+        where a candidate lies in it (else -1): the near candidates and the near load there, else all
+        and the load out of the domain."""
+        key = (ranks, home)
+        found = self.pool_ids.get(key)
+        if found is None:
+            candidates = list(ranks)
+            positions: range | list[int] = range(len(candidates))
             if home >= 0:
-                return [x for x in pool if domain_of[ranks[x]] == home], self.near_load
-        return pool, self.load
+                positions = [x for x in positions if self.domain_of[candidates[x]] == home]
+            found = self.pool_ids[key] = len(self.pools)
+            self.pools.append(_Pool(candidates, positions, home >= 0, [candidates[x] for x in positions]))
+        return found
 
     def _run_end(self, work: list[Work], start: int) -> int:
-        """End of the run from ``work[start]``: the next columns of its group with the same candidates,
-        bytes (and destination domain where a candidate lies in it: the same pool)."""
+        """End of the run from ``work[start]``: the next columns of its group with the same bytes and
+        pool (the same candidates, and destination domain where a candidate lies in it)."""
         neg_bytes, index, column = work[start]
-        ranks = self.candidates[index]
-        homes = self.homes.get(index)
+        ids = self.pool_of[index]
         end = start + 1
-        while (end < len(work) and work[end][0] == neg_bytes and work[end][1] == index
-               and ranks[work[end][2]] == ranks[column]
-               and (self.domain_of is None or homes[work[end][2]] == homes[column])):
+        while end < len(work) and work[end][0] == neg_bytes and work[end][1] == index and ids[work[end][2]] == ids[column]:
             end += 1
         return end
 
@@ -179,15 +237,16 @@ class _SourceChooser:
         """Deal the columns of the run from ``work[start]``; returns where the next run starts."""
         _, index, column = work[start]
         group = self.groups[index]
-        ranks = self._start_group(index)[column]
-        pool, load = self._pool(index, column, ranks)
+        pool = self.pools[self._start_group(index)[column]]
+        load = self.near_load if pool.near else self.load
         num_instances = len(group.tensors)
-        if len(pool) > num_instances and (group.nbytes.strides[0] == 0 or num_instances == 1):
+        if len(pool.positions) > num_instances and (group.nbytes.strides[0] == 0 or num_instances == 1):
             return self._deal_stretch(work, start)
         end = self._run_end(work, start)
-        order = _by_load(pool, ranks, load, num_instances)
+        ranks = pool.ranks
+        order = _by_load(pool.positions, ranks, load, num_instances)
         dealt = dealt_bytes(group, column, len(order))
-        if not (len(order) == len(pool) and dealt.count(dealt[0]) == len(dealt)):
+        if not (len(order) == len(pool.positions) and dealt.count(dealt[0]) == len(dealt)):
             end = start + 1  # uneven gains change the order: one column at a time
         # dealt evenly, every candidate gains alike, so the order stays for the whole run
         for position, gain in zip(order, dealt):
@@ -208,41 +267,40 @@ class _SourceChooser:
         balanced by another load (near, far) never meet."""
         runs: dict[tuple, list[Work]] = {}
         used: dict[bool, set[int]] = {False: set(), True: set()}  # ranks of the stretch's pools, per load
-        groups, start_group, pool_of = self.groups, self._start_group, self._pool
+        groups, start_group, pools = self.groups, self._start_group, self.pools
         end = start
         while end < len(work):
             neg_bytes, index, column = work[end]
             group = groups[index]
             num_instances = len(group.tensors)
-            ranks = start_group(index)[column]
-            pool, load = pool_of(index, column, ranks)
-            if not (len(pool) > num_instances and (group.nbytes.strides[0] == 0 or num_instances == 1)):
+            pid = start_group(index)[column]
+            pool = pools[pid]
+            if not (len(pool.positions) > num_instances and (group.nbytes.strides[0] == 0 or num_instances == 1)):
                 break
-            near = load is self.near_load
-            key = (tuple(ranks), tuple(pool), near, num_instances, -neg_bytes // num_instances)
+            key = (pid, num_instances, -neg_bytes // num_instances)
             run = runs.get(key)
             if run is None:
-                members = [ranks[x] for x in pool]
-                if not used[near].isdisjoint(members):
+                if not used[pool.near].isdisjoint(pool.members):
                     break  # a pool overlapping another: its order against it matters
-                used[near].update(members)
+                used[pool.near].update(pool.members)
                 run = runs[key] = []
             run.append(work[end])
             end += 1
-        for (_, pool, near, num_instances, size), run in runs.items():
-            self._deal_one_each(run, num_instances, pool, self.near_load if near else self.load, size)
+        for (pid, num_instances, size), run in runs.items():
+            pool = pools[pid]
+            self._deal_one_each(run, num_instances, pool, self.near_load if pool.near else self.load, size)
         return end
 
-    def _deal_one_each(self, run: list[Work], num_instances: int, pool, load: list[int], size: int) -> None:
+    def _deal_one_each(self, run: list[Work], num_instances: int, pool: _Pool, load: list[int], size: int) -> None:
         """More replicas than tensors, one size: per column the least loaded take one instance each
-        (the columns of ``run`` share their candidates, positions in ``ranks``)."""
-        ranks = self.candidates[run[0][1]][run[0][2]]
+        (the columns of ``run`` share ``pool``)."""
+        ranks, positions = pool.ranks, pool.positions
         if len(run) == 1 and num_instances == 1:  # one pick: the least loaded, as the heap would give it
-            rank_load, rank, position = min([(load[ranks[x]], ranks[x], x) for x in pool])
+            rank_load, rank, position = min([(load[ranks[x]], ranks[x], x) for x in positions])
             self.orders[run[0][1]][run[0][2]] = [position]
             load[rank] = rank_load + size
             return
-        heap = [(load[ranks[x]], ranks[x], x) for x in pool]
+        heap = [(load[ranks[x]], ranks[x], x) for x in positions]
         heapq.heapify(heap)
         pop, push, instances, orders = heapq.heappop, heapq.heappush, range(num_instances), self.orders
         for _, index, column in run:
