@@ -199,9 +199,11 @@ def stage_groups(source: Layout) -> list[tuple[int, ...]]:
         return r
 
     seen: set[bytes] = set()
+    arrays: dict[int, np.ndarray] = {}  # ranks arrays seen (tables alike share them; held, so ids stay unique)
     for t in source.tables.values():
-        if not len(t):
+        if not len(t) or id(t.ranks) in arrays:
             continue
+        arrays[id(t.ranks)] = t.ranks
         ranks = np.unique(t.ranks)
         key = ranks.tobytes()
         if key in seen:
@@ -242,13 +244,22 @@ def stage_sends(source: Layout, destination: Layout) -> list[Stage]:
 def _sends(source: Layout, destination: Layout, tensors, root_of) -> tuple[list[str], list[int], list[dict[int, int]]]:
     names, sizes, sends = [], [], []
     cache: dict[tuple, dict[int, int]] = {}
+    keys: dict[tuple, tuple] = {}  # geometry key of the arrays tables alike share (holding them: ids stay unique)
+    single = destination.single_itemsize  # one dtype for every buffer: no look-up per tensor
     for name in tensors:
         root = root_of(name)
         spec = destination.specs[name]
-        found = destination.buffer_dtypes(name)
-        isz = found.itemsize if found.itemsize is not None else int(found.itemsizes[0])
+        if single is not None:
+            isz = single
+        else:
+            found = destination.buffer_dtypes(name)
+            isz = found.itemsize if found.itemsize is not None else int(found.itemsizes[0])
         t = source.tables[name]
-        key = (t.geometry_key(), isz, root)
+        arrays = (id(t.ranks), id(t.offsets), id(t.sizes))
+        geometry = keys.get(arrays)
+        if geometry is None:
+            geometry = keys[arrays] = (t.ranks, t.offsets, t.sizes, t.geometry_key())
+        key = (geometry[3], isz, root)
         got = cache.get(key)
         if got is None:
             got = {}

@@ -159,9 +159,13 @@ class Plan:
     # ------------------------------------------------------------------ figures
     def _rows(self, kind: int) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """(source ranks, destination ranks, bytes) of all items of one kind, in array chunks."""
+        fixed_of: dict[int, np.ndarray] = {}  # per intersection (groups alike share it, alive meanwhile)
         for group in self._groups:
-            fixed = np.flatnonzero((group.items.kind == kind) & (group.choice_of < 0))
-            yield group.rank[fixed], group.dst_rank[fixed], group.total_bytes[fixed]
+            fixed = fixed_of.get(id(group.items))
+            if fixed is None:
+                fixed = fixed_of[id(group.items)] = np.flatnonzero((group.items.kind == kind) & (group.choice_of < 0))
+            if len(fixed):
+                yield group.rank[fixed], group.dst_rank[fixed], group.total_bytes[fixed]
             if kind == REMOTE and len(group.choice_cols):
                 cols = group.choice_cols
                 dst_ranks = np.broadcast_to(group.dst_rank[cols], group.choice_rank.shape)
