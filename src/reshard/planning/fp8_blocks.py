@@ -150,16 +150,36 @@ def carried_tensor(wire_name: str) -> str:
     return wire_name
 
 
-def staging_names(prefix: str, ranks: np.ndarray) -> tuple | Repeated:
-    """``prefix + k`` for the k-th piece of each rank (``Repeated`` when every rank has one)."""
-    if len(np.unique(ranks)) == len(ranks):
+def staging_names(prefix: str, ranks: np.ndarray, cache: dict | None = None) -> tuple | Repeated:
+    """``prefix + k`` for the k-th piece of each rank (``Repeated`` when every rank has one); ``cache``:
+    a dict kept over many tensors, where the numbering of a ranks array they share is worked out once
+    (the cache holds the arrays).
+
+    >>> staging_names("w@raw/", np.array([3, 4, 3])), staging_names("w@raw/", np.array([3, 4]))
+    (('w@raw/0', 'w@raw/0', 'w@raw/1'), ('w@raw/0',) * 2)
+    """
+    if cache is None:
+        numbers = _staging_numbers(ranks)
+    else:
+        hit = cache.get(id(ranks))
+        if hit is None:
+            hit = cache[id(ranks)] = (ranks, _staging_numbers(ranks))
+        numbers = hit[1]
+    if numbers is None:
         return Repeated(f"{prefix}0", len(ranks))
+    return tuple([f"{prefix}{k}" for k in numbers])
+
+
+def _staging_numbers(ranks: np.ndarray) -> list[int] | None:
+    """Each piece's place among its rank's pieces, None where every rank has one."""
+    if len(np.unique(ranks)) == len(ranks):
+        return None
     seen: dict[int, int] = defaultdict(int)
     out = []
     for rank in ranks.tolist():
-        out.append(f"{prefix}{seen[rank]}")
+        out.append(seen[rank])
         seen[rank] += 1
-    return tuple(out)
+    return out
 
 
 @dataclass
@@ -188,17 +208,32 @@ class Fp8Tensor:
 
     @classmethod
     def of(cls, name: str, precision: FP8Block, source_dtype: torch.dtype, geometry: BlockGeometry,
-           source: PieceTable, destination: PieceTable) -> "Fp8Tensor":
+           source: PieceTable, destination: PieceTable, shared: dict | None = None) -> "Fp8Tensor":
         """The tensor with its staging named: source staging where some destination box takes the FP8
-        path, destination staging for each raw-path box."""
+        path, destination staging for each raw-path box. ``shared``: a dict kept over many tensors,
+        where tensors alike (the same geometry and ranks arrays) share their rank arrays (read-only)
+        and staging numbering."""
         info = cls(name, precision, source_dtype, geometry)
         if len(geometry.fp8_rows):
-            info.whole_ranks = source.ranks[geometry.whole_rows]
-            info.whole_names = staging_names(name + FP8_STAGING, info.whole_ranks)
+            info.whole_ranks = _ranks_of(source.ranks, geometry.whole_rows, shared)
+            info.whole_names = staging_names(name + FP8_STAGING, info.whole_ranks, shared)
         if len(geometry.raw_rows):
-            info.raw_ranks = destination.ranks[geometry.raw_rows]
-            info.raw_names = staging_names(name + RAW_SUFFIX + "/", info.raw_ranks)
+            info.raw_ranks = _ranks_of(destination.ranks, geometry.raw_rows, shared)
+            info.raw_names = staging_names(name + RAW_SUFFIX + "/", info.raw_ranks, shared)
         return info
+
+
+def _ranks_of(ranks: np.ndarray, rows: np.ndarray, shared: dict | None) -> np.ndarray:
+    """``ranks[rows]``, shared (read-only) by the tensors alike that ``shared`` has seen."""
+    if shared is None:
+        return ranks[rows]
+    key = ("ranks", id(ranks), id(rows))
+    hit = shared.get(key)
+    if hit is None:
+        picked = ranks[rows]
+        picked.flags.writeable = False
+        hit = shared[key] = (ranks, rows, picked)
+    return hit[2]
 
 
 __all__ = ["BlockGeometry", "FP8_STAGING", "Fp8Tensor", "RAW_SUFFIX", "block_geometry", "carried_tensor", "element_boxes",

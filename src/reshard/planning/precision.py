@@ -88,11 +88,42 @@ def _rows_cut_to(table: PieceTable, rows: np.ndarray, offsets: np.ndarray, sizes
     return PieceTable(table.ranks[rows], offsets, sizes, buffers, buffer_offsets)
 
 
+def _geometry_key(table: PieceTable, shared: dict | None) -> bytes:
+    """``table.geometry_key()``, worked out once for the tables sharing its arrays (``shared`` holds them)."""
+    if shared is None:
+        return table.geometry_key()
+    key = ("geometry", id(table.ranks), id(table.offsets), id(table.sizes))
+    hit = shared.get(key)
+    if hit is None:
+        hit = shared[key] = (table.ranks, table.offsets, table.sizes, table.geometry_key())
+    return hit[3]
+
+
+def _with_assembled(table: PieceTable, boxes: AssemblyBoxes, dtype: torch.dtype, shared: dict | None
+                    ) -> tuple[tuple[np.ndarray, ...], list[int], list[tuple]]:
+    """(ranks, offsets, sizes, buffer offsets of ``table``'s pieces and then the assembled ``boxes``; the
+    boxes' ranks; their staging (shape, dtype)), shared (read-only) by the tensors alike ``shared`` has
+    seen (it holds the arrays its keys name)."""
+    key = ("assembled", id(table.ranks), id(table.offsets), id(table.sizes), id(table.buffer_offsets), id(boxes), dtype)
+    hit = shared.get(key) if shared is not None else None
+    if hit is None:
+        arrays = (np.concatenate([table.ranks, boxes.ranks]), np.concatenate([table.offsets, boxes.offsets]),
+                  np.concatenate([table.sizes, boxes.sizes]),
+                  np.concatenate([table.buffer_offsets, np.zeros_like(boxes.offsets)]))
+        for a in arrays:
+            a.flags.writeable = False
+        hit = ((table, boxes), arrays, boxes.ranks.tolist(), [(tuple(s), dtype) for s in boxes.sizes.tolist()])
+        if shared is not None:
+            shared[key] = hit
+    return hit[1:]
+
+
 class _WireTensors:
     """The logical tensors the wire carries (specs and pieces of both sides) and the staging they
     need, gathered tensor by tensor."""
 
     def __init__(self) -> None:
+        self.shared: dict = {}  # what tensors alike share (boxes, rank lists, staging numbering); holds its keys' objects
         self.source_specs: dict[str, TensorSpec] = {}
         self.source_tables: dict[str, PieceTable] = {}
         self.destination_specs: dict[str, TensorSpec] = {}
@@ -113,21 +144,19 @@ class _WireTensors:
             return
         shape, scale = destination.specs[name].shape, info.precision.scale_name(name)
         scale_dtype = info.precision.scale_dtype
-        offsets, sizes = element_boxes(geometry.whole_lo, geometry.whole_hi, shape, block)
-        grid_sizes = geometry.whole_hi - geometry.whole_lo
+        offsets, sizes, zeros, value_descs = self._boxes(geometry, "whole", shape, block, FP8_DTYPE)
+        grid_sizes, grid_zeros, scale_descs = self._grid(geometry, scale_dtype)
         self.source_specs[name] = TensorSpec(name, shape, FP8_DTYPE)
-        self.source_tables[name] = PieceTable(info.whole_ranks, offsets, sizes, info.whole_names,
-                                              np.zeros_like(offsets))
+        self.source_tables[name] = PieceTable(info.whole_ranks, offsets, sizes, info.whole_names, zeros)
         self.source_specs[scale] = TensorSpec(scale, geometry.grid, scale_dtype)
-        scale_names = staging_names(scale + FP8_STAGING, info.whole_ranks)  # the k-th of a rank: its k-th values'
-        self.source_tables[scale] = PieceTable(info.whole_ranks, geometry.whole_lo, grid_sizes, scale_names,
-                                               np.zeros_like(geometry.whole_lo))
-        for rank, values_buffer, scales_buffer, size, grid_size in zip(
-                info.whole_ranks.tolist(), info.whole_names, scale_names, sizes.tolist(), grid_sizes.tolist()):
-            self.source_staging[rank][values_buffer] = (tuple(size), FP8_DTYPE)
-            self.source_staging[rank][scales_buffer] = (tuple(grid_size), scale_dtype)
+        scale_names = staging_names(scale + FP8_STAGING, info.whole_ranks, self.shared)  # a rank's k-th: its k-th values'
+        self.source_tables[scale] = PieceTable(info.whole_ranks, geometry.whole_lo, grid_sizes, scale_names, grid_zeros)
+        for rank, values_buffer, scales_buffer, value_desc, scale_desc in zip(
+                self._rank_list(info.whole_ranks), info.whole_names, scale_names, value_descs, scale_descs):
+            self.source_staging[rank][values_buffer] = value_desc
+            self.source_staging[rank][scales_buffer] = scale_desc
         rows = geometry.fp8_rows
-        offsets, sizes = element_boxes(geometry.fp8_lo, geometry.fp8_hi, shape, block)
+        offsets, sizes, _, _ = self._boxes(geometry, "fp8", shape, block, FP8_DTYPE)
         self.destination_specs[name] = destination.specs[name]
         self.destination_tables[name] = _rows_cut_to(destination.tables[name], rows, offsets, sizes)
         self.destination_specs[scale] = destination.specs[scale]
@@ -142,14 +171,49 @@ class _WireTensors:
             return
         raw = name + RAW_SUFFIX
         shape = source.specs[name].shape
-        offsets, sizes = element_boxes(geometry.raw_lo, geometry.raw_hi, shape, info.block)
+        offsets, sizes, zeros, descs = self._boxes(geometry, "raw", shape, info.block, info.source_dtype)
         self.source_specs[raw] = TensorSpec(raw, shape, info.source_dtype)
         self.source_tables[raw] = source.tables[name]
         self.destination_specs[raw] = TensorSpec(raw, shape, info.source_dtype)
-        self.destination_tables[raw] = PieceTable(info.raw_ranks, offsets, sizes, info.raw_names,
-                                                  np.zeros_like(offsets))
-        for rank, buffer, size in zip(info.raw_ranks.tolist(), info.raw_names, sizes.tolist()):
-            self.destination_staging[rank][buffer] = (tuple(size), info.source_dtype)
+        self.destination_tables[raw] = PieceTable(info.raw_ranks, offsets, sizes, info.raw_names, zeros)
+        for rank, buffer, desc in zip(self._rank_list(info.raw_ranks), info.raw_names, descs):
+            self.destination_staging[rank][buffer] = desc
+
+    def _boxes(self, geometry: BlockGeometry, path: str, shape, block, dtype: torch.dtype) -> tuple:
+        """(element offsets, sizes, zero buffer offsets, each box's staging (shape, dtype)) of a
+        geometry's ``path`` boxes ("whole", "fp8", "raw": :func:`element_boxes` of its grid boxes),
+        worked out once for the tensors sharing the geometry (read-only)."""
+        key = ("boxes", id(geometry), path, shape, block, dtype)
+        hit = self.shared.get(key)
+        if hit is None:
+            lo, hi = getattr(geometry, f"{path}_lo"), getattr(geometry, f"{path}_hi")
+            offsets, sizes = element_boxes(lo, hi, shape, block)
+            zeros = np.zeros_like(offsets)
+            for a in (offsets, sizes, zeros):
+                a.flags.writeable = False
+            hit = self.shared[key] = (geometry, offsets, sizes, zeros, [(tuple(s), dtype) for s in sizes.tolist()])
+        return hit[1:]
+
+    def _grid(self, geometry: BlockGeometry, dtype: torch.dtype) -> tuple:
+        """(grid sizes, zero buffer offsets, each scale box's staging (shape, dtype)) of a geometry's
+        whole-block boxes, worked out once (read-only)."""
+        key = ("grid", id(geometry), dtype)
+        hit = self.shared.get(key)
+        if hit is None:
+            sizes = geometry.whole_hi - geometry.whole_lo
+            zeros = np.zeros_like(geometry.whole_lo)
+            for a in (sizes, zeros):
+                a.flags.writeable = False
+            hit = self.shared[key] = (geometry, sizes, zeros, [(tuple(s), dtype) for s in sizes.tolist()])
+        return hit[1:]
+
+    def _rank_list(self, ranks: np.ndarray) -> list[int]:
+        """``ranks.tolist()``, once per shared ranks array."""
+        key = ("list", id(ranks))
+        hit = self.shared.get(key)
+        if hit is None:
+            hit = self.shared[key] = (ranks, ranks.tolist())
+        return hit[1]
 
     def layouts(self, source: Layout, destination: Layout) -> tuple[Layout, Layout]:
         """The wire's (source, destination) layouts: the sides' buffers plus the staging."""
@@ -233,14 +297,15 @@ class PrecisionPlan:
                 continue
             if not len(self.destination.tables[name]):
                 continue
-            info = self.fp8[name] = self._fp8_tensor(name, precision, geometries)
+            info = self.fp8[name] = self._fp8_tensor(name, precision, geometries, wire.shared)
             wire.add_quantized_at_source(info, self.destination)
             wire.add_raw(info, self.source)
         return wire
 
-    def _fp8_tensor(self, name: str, precision: FP8Block, geometries: dict[tuple, BlockGeometry]) -> Fp8Tensor:
+    def _fp8_tensor(self, name: str, precision: FP8Block, geometries: dict[tuple, BlockGeometry],
+                    shared: dict | None = None) -> Fp8Tensor:
         """FP8 tensor ``name``'s block paths and staging, or LayoutError when its sources hold it in
-        several dtypes."""
+        several dtypes; ``shared``: what tensors alike share, kept over the pass (see :meth:`Fp8Tensor.of`)."""
         source_table, destination_table = self.source.tables[name], self.destination.tables[name]
         source_dtypes = self.source.buffer_dtypes(name)
         source_dtype = source_dtypes.uniform
@@ -252,7 +317,7 @@ class PrecisionPlan:
         at_source = self.at_source(name)
         boxes = AssemblyBoxes.empty()
         if self.assemble is not None and at_source:
-            asm_key = ("assembly", shape, precision.block, source_table.geometry_key(),
+            asm_key = ("assembly", shape, precision.block, _geometry_key(source_table, shared),
                        source_table.buffer_offsets.shape[1])
             boxes = geometries.get(asm_key)
             if boxes is None:
@@ -260,20 +325,17 @@ class PrecisionPlan:
         asm_names: tuple | Repeated = ()
         table = source_table
         if len(boxes.ranks):  # the assemblers hold their boxes whole, in staging <name>@asm/<k>
-            asm_names = staging_names(name + ASM_SUFFIX + "/", boxes.ranks)
-            table = PieceTable(np.concatenate([source_table.ranks, boxes.ranks]),
-                               np.concatenate([source_table.offsets, boxes.offsets]),
-                               np.concatenate([source_table.sizes, boxes.sizes]),
-                               tuple(source_table.buffers) + tuple(asm_names),
-                               np.concatenate([source_table.buffer_offsets, np.zeros_like(boxes.offsets)]))
-            for rank, buffer, size in zip(boxes.ranks.tolist(), asm_names, boxes.sizes.tolist()):
-                self.assembly_staging[rank][buffer] = (tuple(size), source_dtype)
-        key = (shape, precision.block, at_source, table.geometry_key(), destination_table.geometry_key())
+            asm_names = staging_names(name + ASM_SUFFIX + "/", boxes.ranks, shared)
+            arrays, ranks, descs = _with_assembled(source_table, boxes, source_dtype, shared)
+            table = PieceTable(*arrays[:3], tuple(source_table.buffers) + tuple(asm_names), arrays[3])
+            for rank, buffer, desc in zip(ranks, asm_names, descs):
+                self.assembly_staging[rank][buffer] = desc
+        key = (shape, precision.block, at_source, _geometry_key(table, shared), _geometry_key(destination_table, shared))
         geometry = geometries.get(key)
         if geometry is None:
             geometry = geometries[key] = block_geometry(shape, precision.block, table, destination_table,
                                                         at_source=at_source)
-        info = Fp8Tensor.of(name, precision, source_dtype, geometry, table, destination_table)
+        info = Fp8Tensor.of(name, precision, source_dtype, geometry, table, destination_table, shared)
         if len(boxes.ranks):
             info.source_table, info.assembly, info.assembly_names = table, boxes, asm_names
         return info
