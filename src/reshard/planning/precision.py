@@ -147,10 +147,14 @@ class _WireTensors:
         offsets, sizes, zeros, value_descs = self._boxes(geometry, "whole", shape, block, FP8_DTYPE)
         grid_sizes, grid_zeros, scale_descs = self._grid(geometry, scale_dtype)
         self.source_specs[name] = TensorSpec(name, shape, FP8_DTYPE)
-        self.source_tables[name] = PieceTable(info.whole_ranks, offsets, sizes, info.whole_names, zeros)
+        # each tensor's wire tables get arrays of their own, as the hierarchical relay split groups tensors by
+        # the identity of their arrays (sharing them would regroup its seed dealing and change the plan)
+        self.source_tables[name] = PieceTable(info.whole_ranks.copy(), offsets.copy(), sizes.copy(), info.whole_names,
+                                              zeros.copy())
         self.source_specs[scale] = TensorSpec(scale, geometry.grid, scale_dtype)
         scale_names = staging_names(scale + FP8_STAGING, info.whole_ranks, self.shared)  # a rank's k-th: its k-th values'
-        self.source_tables[scale] = PieceTable(info.whole_ranks, geometry.whole_lo, grid_sizes, scale_names, grid_zeros)
+        self.source_tables[scale] = PieceTable(info.whole_ranks.copy(), geometry.whole_lo, grid_sizes.copy(), scale_names,
+                                               grid_zeros.copy())
         for rank, values_buffer, scales_buffer, value_desc, scale_desc in zip(
                 self._rank_list(info.whole_ranks), info.whole_names, scale_names, value_descs, scale_descs):
             self.source_staging[rank][values_buffer] = value_desc
@@ -158,7 +162,7 @@ class _WireTensors:
         rows = geometry.fp8_rows
         offsets, sizes, _, _ = self._boxes(geometry, "fp8", shape, block, FP8_DTYPE)
         self.destination_specs[name] = destination.specs[name]
-        self.destination_tables[name] = _rows_cut_to(destination.tables[name], rows, offsets, sizes)
+        self.destination_tables[name] = _rows_cut_to(destination.tables[name], rows, offsets.copy(), sizes.copy())
         self.destination_specs[scale] = destination.specs[scale]
         self.destination_tables[scale] = _rows_cut_to(destination.tables[scale], rows, geometry.fp8_lo,
                                                       geometry.fp8_hi - geometry.fp8_lo)
@@ -175,7 +179,8 @@ class _WireTensors:
         self.source_specs[raw] = TensorSpec(raw, shape, info.source_dtype)
         self.source_tables[raw] = source.tables[name]
         self.destination_specs[raw] = TensorSpec(raw, shape, info.source_dtype)
-        self.destination_tables[raw] = PieceTable(info.raw_ranks, offsets, sizes, info.raw_names, zeros)
+        self.destination_tables[raw] = PieceTable(info.raw_ranks.copy(), offsets.copy(), sizes.copy(), info.raw_names,
+                                                  zeros.copy())
         for rank, buffer, desc in zip(self._rank_list(info.raw_ranks), info.raw_names, descs):
             self.destination_staging[rank][buffer] = desc
 
