@@ -252,6 +252,23 @@ class Layout:
         return Layout(self.specs, tables, {r: self._buffers[r] for r in keep.tolist() if r in self._buffers},
                       validate=False)
 
+    def with_tables(self, tables: Mapping[str, PieceTable]) -> "Layout":
+        """This layout's specs and buffers with other ``tables`` (not validated: the caller makes them
+        from this layout's, e.g. subsets of their pieces); what it knows of its buffers' dtypes
+        carries over, worked out once for every layout made so.
+
+        >>> import torch
+        >>> from reshard.placements import Shard
+        >>> lay = Layout.from_placements(TensorSpec("w", (4, 6), torch.float32), [0, 1], (2,), [Shard(0)])
+        >>> half = lay.with_tables({"w": lay.tables["w"]})
+        >>> half.ranks, half.single_itemsize
+        ([0, 1], 4)
+        """
+        out = Layout(self.specs, tables, {r: self.buffer_map(r) for r in self.ranks}, validate=False)
+        out._dtypes = self._dtype_by_name()  # the same buffers: the same answers
+        out.__dict__["_single_dtype"] = self._single_dtype
+        return out
+
     # ------------------------------------------------------------------ queries
     @property
     def ranks(self) -> list[int]:

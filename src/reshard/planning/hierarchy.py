@@ -566,7 +566,7 @@ def _source_copies(st: PieceTable, cache: dict | None = None) -> int:
 
 def _with_tables(layout: Layout, tables: Mapping[str, PieceTable]) -> Layout:
     """``layout``'s specs and buffers with other (subset) tables; not validated: they come from it."""
-    return Layout(layout.specs, tables, {r: layout.buffer_map(r) for r in layout.ranks}, validate=False)
+    return layout.with_tables(tables)
 
 
 def _rows_of(t: PieceTable, rows: np.ndarray, cache: dict | None = None) -> tuple[np.ndarray, ...]:
