@@ -171,11 +171,18 @@ class _GatherStep:
 def _gather_bucket(bucket: Sequence[int], gather_sends: Sequence[Mapping[int, int]], root: int,
                    placement: Placement, topology: Topology) -> _GatherStep:
     """Every source sends root its bytes of the bucket's tensors at once; root unpacks them."""
-    sends: dict[int, float] = defaultdict(float)
+    alike: dict[int, list] = {}  # tensors alike share one sends dict (whole bytes: any order sums them exactly)
     for i in bucket:
-        for src, nbytes in gather_sends[i].items():
+        hit = alike.get(id(gather_sends[i]))
+        if hit is None:
+            alike[id(gather_sends[i])] = [gather_sends[i], 1]
+        else:
+            hit[1] += 1
+    sends: dict[int, int] = defaultdict(int)
+    for per_source, count in alike.values():
+        for src, nbytes in per_source.items():
             if nbytes > 0 and src != root:
-                sends[src] += nbytes
+                sends[src] += nbytes * count
     gpu_of, domain_of = placement.gpu_of, placement.domain_of
     copy_bw, per_message = topology.copy_bytes_per_s, topology.message_overhead_s
     nic = nvlink = local = pack = 0.0
