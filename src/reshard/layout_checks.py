@@ -78,8 +78,17 @@ def checked_buffers(buffers: Mapping | None) -> dict[int, dict[str, tuple[tuple[
     return out
 
 
-def _check_boxes(name: str, spec: TensorSpec, table: Pieces) -> None:
-    """Every piece on a rank >= 0 and its box inside the tensor."""
+def _check_boxes(name: str, spec: TensorSpec, table: Pieces, passed: dict | None = None) -> None:
+    """Every piece on a rank >= 0 and its box inside the tensor; ``passed``: a dict kept over one check,
+    where tables of the same arrays (tensors alike share them) and shape are checked once (it holds
+    the arrays)."""
+    if passed is not None:
+        key = ("boxes", id(table.ranks), id(table.offsets), id(table.sizes), spec.shape)
+        if key in passed:
+            return
+        _check_boxes(name, spec, table)
+        passed[key] = (table.ranks, table.offsets, table.sizes)
+        return
     if table.ranks.min() < 0:
         row = int(np.argmin(table.ranks))
         raise LayoutError(f"tensor {name!r} rank {int(table.ranks[row])}: box "
@@ -141,21 +150,36 @@ def _check_buffers_of(name: str, spec: TensorSpec, table: Pieces, table_index: i
     count, ndim = table.sizes.shape
     buffer_ndim = table.buffer_offsets.shape[1]
     lo = table.buffer_offsets
-    hi = lo + np.concatenate([np.ones((count, buffer_ndim - ndim), np.int64), table.sizes], axis=1)
-    names = list(dict.fromkeys(table.buffers))
+    hi_key = ("hi", id(lo), id(table.sizes))  # tables alike share these arrays: their ends worked out once
+    hit = looked_up.get(hi_key)
+    if hit is None:
+        hi = lo + np.concatenate([np.ones((count, buffer_ndim - ndim), np.int64), table.sizes], axis=1)
+        hit = looked_up[hi_key] = (lo, table.sizes, hi)
+    hi = hit[2]
+    one = table.one_buffer()
+    names = [one] if one is not None else list(dict.fromkeys(table.buffers))
     for buffer in names:
         rows = np.arange(count) if len(names) == 1 else np.flatnonzero(np.array(table.buffers, object) == buffer)
         ranks = table.ranks[rows]
-        distinct, shapes, dtypes = _buffer_shapes(buffers, looked_up, buffer, ranks, name)
-        for rank, dtype in zip(distinct.tolist(), dtypes):
-            if dtype_class(dtype) != dtype_class(spec.dtype):
-                raise LayoutError(f"tensor {name!r} rank {rank}: buffer {buffer!r} has dtype {dtype}, "
-                                  f"of another class than the tensor's {spec.dtype}")
+        found = _buffer_shapes(buffers, looked_up, buffer, ranks, name)
+        distinct, shapes, dtypes = found
+        if ("class", id(found), dtype_class(spec.dtype)) not in looked_up:
+            for rank, dtype in zip(distinct.tolist(), dtypes):
+                if dtype_class(dtype) != dtype_class(spec.dtype):
+                    raise LayoutError(f"tensor {name!r} rank {rank}: buffer {buffer!r} has dtype {dtype}, "
+                                      f"of another class than the tensor's {spec.dtype}")
+            looked_up[("class", id(found), dtype_class(spec.dtype))] = found
         if shapes.shape[1] != buffer_ndim:
             raise LayoutError(f"tensor {name!r} rank {int(distinct[0])}: buffer {buffer!r} has {shapes.shape[1]} "
                               f"dims but the piece's buffer offsets have {buffer_ndim}")
         shape_of_piece = shapes[np.searchsorted(distinct, ranks)]
+        fits_key = ("fits", id(lo), id(hi), len(names), shape_of_piece.tobytes())
+        if fits_key in looked_up:  # tables alike in buffers of the same shapes: checked already
+            extents.add(table_index, table, buffer, rows, lo, hi)
+            continue
         out = np.flatnonzero(((lo[rows] < 0) | (hi[rows] > shape_of_piece)).any(axis=1))
+        if not len(out) and len(names) == 1:
+            looked_up[fits_key] = (lo, hi)
         if len(out):
             row = int(rows[out[0]])
             raise LayoutError(
@@ -181,7 +205,7 @@ def check_layout(specs: Mapping[str, TensorSpec], tables: Mapping[str, Pieces], 
             raise LayoutError(f"unknown tensor {name!r}: pieces refer to it but no TensorSpec names it")
         if not len(table):
             continue
-        _check_boxes(name, spec, table)
+        _check_boxes(name, spec, table, looked_up)
         _check_buffers_of(name, spec, table, table_index, buffers, looked_up, extents)
     if extents.by_width:
         _check_overlaps(tables, extents.by_width)
