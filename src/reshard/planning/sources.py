@@ -3,7 +3,16 @@
 Largest copies first, each goes to its least-loaded candidate rank (ties: lowest rank);
 the instances of a geometry (the tensors of one :class:`~reshard.planning.geometry_groups.GeometryGroup`)
 are dealt round-robin over the candidates in that order. Columns of one group with the
-same candidates and bytes are dealt as one run where the order cannot change within it.
+same candidates and bytes are dealt as one run where the order cannot change within it, and
+consecutive columns whose pools are the same or share no rank as one *stretch*, each pool's
+columns together (a column touches its own pool's loads only, so the order between pools
+sharing no rank changes no choice)::
+
+    work (largest first)   pool            dealt
+    column a               ranks {0, 1}    stretch 1, pool {0, 1}: a, c in this order
+    column b               ranks {4, 5}    stretch 1, pool {4, 5}: b
+    column c               ranks {0, 1}
+    column d               ranks {1, 4}    overlaps both: stretch 2 starts here
 
 With ``domains`` (an array rank -> NVLink domain), candidates in the destination's own
 domain come first (those bytes never leave it), and the load balanced among the others
