@@ -12,8 +12,16 @@ from hypothesis import strategies as st
 import reshard as rs
 from reshard.planning import sources
 from reshard.planning.geometry_groups import group_tensors
-from reshard.planning.sources import BULK_COLUMNS, _near_homes, _SourceChooser, candidate_ranks, dealt_bytes, fill_choices
+from reshard.planning.sources import BULK_COLUMNS, _near_homes, _SourceChooser, dealt_bytes, fill_choices
 from strategies import layout_pairs
+
+
+def candidate_ranks(group, source: rs.Layout) -> list[list[int]]:
+    """Per choice column of ``group``, the ranks of its candidate source pieces."""
+    items = group.items
+    ranks = source.tables[group.tensors[0]].ranks[items.candidates].tolist()
+    starts, counts = items.cand_start[group.choice_cols].tolist(), items.cand_count[group.choice_cols].tolist()
+    return [ranks[start: start + count] for start, count in zip(starts, counts)]
 
 
 class OneColumnAtATime(_SourceChooser):

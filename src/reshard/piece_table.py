@@ -124,12 +124,15 @@ class PieceTable:
         """Bytes identifying ranks and boxes (not buffers): equal keys plan alike."""
         key = self._geometry
         if key is None:
-            n, d = self.offsets.shape
-            key = b"".join(
-                [np.array([n, d], np.int64).tobytes(), self.ranks.tobytes(), self.offsets.tobytes(), self.sizes.tobytes()]
-            )
+            key = geometry_bytes(self.ranks, self.offsets, self.sizes)
             object.__setattr__(self, "_geometry", key)
         return key
+
+
+def geometry_bytes(ranks: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> bytes:
+    """:meth:`PieceTable.geometry_key` of a table with these arrays."""
+    n, d = offsets.shape
+    return b"".join([np.array([n, d], np.int64).tobytes(), ranks.tobytes(), offsets.tobytes(), sizes.tobytes()])
 
 
 def table_of(pieces: Sequence[Piece], ndim: int) -> PieceTable:
@@ -208,4 +211,4 @@ class BufferDtypes(NamedTuple):
         return np.array([itemsize(dtype) for dtype in self.per_piece], np.int64)
 
 
-__all__ = ["BufferDtypes", "PieceTable", "Repeated", "concatenated", "read_only", "table_of"]
+__all__ = ["BufferDtypes", "PieceTable", "Repeated", "concatenated", "geometry_bytes", "read_only", "table_of"]

@@ -62,6 +62,17 @@ class GeometryGroup:
         return int(self.choice_piece[instance, column]), int(self.choice_rank[instance, column])
 
 
+def fixed_items(group: GeometryGroup, kind: int, cache: dict) -> np.ndarray:
+    """The items of ``kind`` whose source needs no choice (every local and fan-out item, the remote
+    ones with one candidate), worked out once per intersection: ``cache`` is a dict kept over one
+    pass through groups that stay alive meanwhile (groups alike share their items)."""
+    key = (id(group.items), kind)
+    found = cache.get(key)
+    if found is None:
+        found = cache[key] = np.flatnonzero((group.items.kind == kind) & (group.choice_of < 0))
+    return found
+
+
 def items_key(src_table: PieceTable, dst_table: PieceTable) -> bytes | tuple:
     """What :func:`~reshard.planning.intersect.tensor_items` depends on: the boxes of both sides, which
     pieces of each side share a rank (and the ranks' order), and where source ranks are also

@@ -564,11 +564,6 @@ def _source_copies(st: PieceTable, cache: dict | None = None) -> int:
     return len(st) // max(len(st.box_copies(cache)[1]), 1)
 
 
-def _with_tables(layout: Layout, tables: Mapping[str, PieceTable]) -> Layout:
-    """``layout``'s specs and buffers with other (subset) tables; not validated: they come from it."""
-    return layout.with_tables(tables)
-
-
 def _rows_of(t: PieceTable, rows: np.ndarray, cache: dict | None = None) -> tuple[np.ndarray, ...]:
     """Read-only ranks, offsets, sizes of ``rows``: shared by the tables of every tensor with
     this geometry and receiver choice (the planner then sees one geometry by identity); ``cache``: a
@@ -675,7 +670,7 @@ def split_receivers(destination: Layout, domains: Mapping[int, int]) -> tuple[La
             own = destination.tables[name]
             rec_tables[name] = _subset(own, hit[0], hit[1], offsets_of)
             rest_tables[name] = _subset(own, hit[2], hit[3], offsets_of)
-    return _with_tables(destination, rec_tables), _with_tables(destination, rest_tables)
+    return destination.with_tables(rec_tables), destination.with_tables(rest_tables)
 
 
 def _cut_rows(t: PieceTable, nbytes: np.ndarray, split_bytes: int, replicas: int) -> tuple[np.ndarray, ...]:
@@ -741,7 +736,7 @@ def split_across_replicas(receivers: Layout, source: Layout, split_bytes: int) -
         names = Repeated(b, len(idx)) if b is not None else tuple(t.buffers[i] for i in idx.tolist())
         # each tensor its own geometry arrays, as before: the relay split groups tensors by their identity
         tables[name] = PieceTable(ranks.copy(), offsets.copy(), sizes.copy(), names, boffs)
-    return _with_tables(receivers, tables)
+    return receivers.with_tables(tables)
 
 
 def seed_count(copies: int, domains: int, gpus: float) -> int:
@@ -819,19 +814,21 @@ def _relay_boxes_small(t: PieceTable, st: PieceTable, dom: np.ndarray, copies: i
     return out
 
 
-def _dealt_seeds(members: np.ndarray, extra: int, n: int, units: int = SEED_UNITS
-                 ) -> tuple[np.ndarray, np.ndarray]:
-    """The ``extra`` seed rows of one box for each of the ``n`` tensors of its geometry, from
-    ``members`` least loaded first. The tensors form ``min(n, units)`` runs of consecutive ones (the fewer
-    runs, the fewer seed patterns: plan geometries); the ``extra`` seed slots of each run (run j's
-    k-th at ``k * runs + j``) go to the members in contiguous blocks, as even as can be, the first
-    members taking the remainder. A run's seeds are distinct: a block holds at most ``runs`` slots.
+@lru_cache(maxsize=4096)
+def _seed_slots(count: int, extra: int, n: int, units: int = SEED_UNITS
+                ) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...], tuple[int, ...]]:
+    """The ``extra`` seeds of one box for each of the ``n`` tensors of its geometry, as positions among
+    its ``count`` members (least loaded first). The tensors form ``min(n, units)`` runs of consecutive
+    ones (the fewer runs, the fewer seed patterns: plan geometries); the ``extra`` seed slots of each
+    run (run j's k-th at ``k * runs + j``) go to the members in contiguous blocks, as even as can be,
+    the first members taking the remainder. A run's seeds are distinct: a block holds at most ``runs``
+    slots. The same for every box of these counts.
 
-    Returns (seeds of each run ``[runs, extra]``, the run of each tensor ``[n]``).
+    Returns (per run, its seeds' positions; per tensor, its run; per run, how many tensors).
 
     >>> def dealt(*a, **k):
-    ...     seeds, run = _dealt_seeds(np.array([7, 8, 9]), *a, **k)
-    ...     return seeds[run].tolist()
+    ...     slots, run, _ = _seed_slots(3, *a, **k)
+    ...     return [[(7, 8, 9)[j] for j in slots[r]] for r in run]
     >>> dealt(1, 4)                # 4 tensors over 3 members
     [[7], [7], [8], [9]]
     >>> dealt(2, 3)                # 2 seeds each, all distinct
@@ -839,15 +836,6 @@ def _dealt_seeds(members: np.ndarray, extra: int, n: int, units: int = SEED_UNIT
     >>> dealt(1, 6, units=3)       # runs of 2 tensors
     [[7], [7], [8], [8], [9], [9]]
     """
-    slots, run, _ = _seed_slots(len(members), extra, n, units)
-    return members[np.array(slots, np.int64).reshape(len(slots), extra)], np.array(run, np.int64)
-
-
-@lru_cache(maxsize=4096)
-def _seed_slots(count: int, extra: int, n: int, units: int = SEED_UNITS
-                ) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...], tuple[int, ...]]:
-    """:func:`_dealt_seeds` as positions among ``count`` members: (per run, its seeds' positions;
-    per tensor, its run; per run, its tensors), the same for every box of these counts."""
     u = min(n, units)
     q, r = divmod(u * extra, count)
     ends = np.cumsum(q + (np.arange(count) < r))
@@ -867,7 +855,7 @@ def split_relays(receivers: Layout, source: Layout, domains: Mapping[int, int]) 
     A seed sends its box on to (members - seeds) / seeds domains, so seeds are chosen to balance
     those relay sends over the GPUs: biggest boxes first, each to the members with the least relay
     bytes out so far (ties: lowest rank), the tensors sharing a geometry dealt over them in up to
-    ``SEED_UNITS`` runs (:func:`_dealt_seeds`), so that slice t of every expert does not seed on
+    ``SEED_UNITS`` runs (:func:`_seed_slots`), so that slice t of every expert does not seed on
     one GPU (its NIC would send that slice of the whole model again and again).
     """
     dom = domain_array(domains, receivers.ranks)
@@ -909,7 +897,7 @@ def split_relays(receivers: Layout, source: Layout, domains: Mapping[int, int]) 
             rows = member_lists[id(members)] = members.tolist()
         ranks = t.ranks[members].tolist()
         order = sorted(range(len(ranks)), key=lambda x: (load[ranks[x]], ranks[x]))
-        slots, run, run_sizes = _seed_slots(len(members), extra, len(names))  # as _dealt_seeds deals them
+        slots, run, run_sizes = _seed_slots(len(members), extra, len(names))
         per_slot = -negb * (len(members) - extra) // (len(names) * max(extra, 1))  # relay bytes one seed sends
         for run_slots, k in zip(slots, run_sizes):
             for j in run_slots:
@@ -947,4 +935,4 @@ def split_relays(receivers: Layout, source: Layout, domains: Mapping[int, int]) 
     for name, t in receivers.tables.items():  # in the receivers' order; tensors with no source piece as they are
         seeds[name] = seeds.pop(name, t)
         relayed[name] = relayed.pop(name) if name in relayed else _subset(t, empty, _rows_of(t, empty))
-    return _with_tables(receivers, seeds), _with_tables(receivers, relayed)
+    return receivers.with_tables(seeds), receivers.with_tables(relayed)

@@ -42,7 +42,7 @@ import numpy as np
 from ..gc_pause import without_gc
 from ..layout import Layout, Repeated
 from ..tensors import LayoutError, dtype_class, is_int
-from .geometry_groups import GeometryGroup, group_tensors
+from .geometry_groups import GeometryGroup, fixed_items, group_tensors
 from .intersect import FANOUT, LOCAL, REMOTE
 from .rank_plan import RankPlan, RankPlanBuilder
 from .schedule import ALIGN, ROUNDS_IN_FLIGHT, Copy, check_max_bucket_bytes, pair_quotas, round_cap
@@ -159,11 +159,9 @@ class Plan:
     # ------------------------------------------------------------------ figures
     def _rows(self, kind: int) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """(source ranks, destination ranks, bytes) of all items of one kind, in array chunks."""
-        fixed_of: dict[int, np.ndarray] = {}  # per intersection (groups alike share it, alive meanwhile)
+        fixed_of: dict = {}  # per intersection
         for group in self._groups:
-            fixed = fixed_of.get(id(group.items))
-            if fixed is None:
-                fixed = fixed_of[id(group.items)] = np.flatnonzero((group.items.kind == kind) & (group.choice_of < 0))
+            fixed = fixed_items(group, kind, fixed_of)
             if len(fixed):
                 yield group.rank[fixed], group.dst_rank[fixed], group.total_bytes[fixed]
             if kind == REMOTE and len(group.choice_cols):

@@ -54,7 +54,7 @@ import numpy as np
 import torch
 
 from ..gc_pause import without_gc
-from ..layout import Layout, PieceTable, Repeated
+from ..layout import Layout, PieceTable, Repeated, geometry_bytes
 from ..quant import FP8_DTYPE
 from ..tensors import LayoutError, TensorSpec, dtype_name
 from .dtype_policy import (FP8_PATTERNS, KEEP, Cast, DtypePolicy, FP8Block, Keep, MXFP8Block, Precision,
@@ -92,10 +92,15 @@ def _geometry_key(table: PieceTable, shared: dict | None) -> bytes:
     """``table.geometry_key()``, worked out once for the tables sharing its arrays (``shared`` holds them)."""
     if shared is None:
         return table.geometry_key()
-    key = ("geometry", id(table.ranks), id(table.offsets), id(table.sizes))
+    return _shared_geometry_key(table.ranks, table.offsets, table.sizes, shared)
+
+
+def _shared_geometry_key(ranks: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, shared: dict) -> bytes:
+    """The geometry key of tables of these arrays, worked out once (``shared`` holds the arrays)."""
+    key = ("geometry", id(ranks), id(offsets), id(sizes))
     hit = shared.get(key)
     if hit is None:
-        hit = shared[key] = (table.ranks, table.offsets, table.sizes, table.geometry_key())
+        hit = shared[key] = (ranks, offsets, sizes, geometry_bytes(ranks, offsets, sizes))
     return hit[3]
 
 
@@ -186,12 +191,8 @@ class _WireTensors:
         shared array, as they always were): the hierarchical relay split groups tensors by the identity of
         their arrays, so sharing them would regroup its seed dealing and change the plan. Its geometry key
         is worked out once for the tables alike."""
-        key = ("geometry", id(ranks), id(offsets), id(sizes))
-        hit = self.shared.get(key)
-        if hit is None:
-            hit = self.shared[key] = (ranks, offsets, sizes, PieceTable(ranks, offsets, sizes, (), offsets).geometry_key())
         return PieceTable(ranks.copy(), offsets if keep_offsets else offsets.copy(), sizes.copy(), names,
-                          buffer_offsets.copy(), hit[3])
+                          buffer_offsets.copy(), _shared_geometry_key(ranks, offsets, sizes, self.shared))
 
     def _boxes(self, geometry: BlockGeometry, path: str, shape, block, dtype: torch.dtype) -> tuple:
         """(element offsets, sizes, zero buffer offsets, each box's staging (shape, dtype)) of a

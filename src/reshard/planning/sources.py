@@ -29,7 +29,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..layout import Layout
-from .geometry_groups import GeometryGroup
+from .geometry_groups import GeometryGroup, fixed_items
 from .intersect import REMOTE
 
 Work = tuple[int, int, int]  # (-bytes of the column over all instances, group index, choice column)
@@ -38,14 +38,6 @@ Work = tuple[int, int, int]  # (-bytes of the column over all instances, group i
 def choose_sources(groups: list[GeometryGroup], source: Layout, domains: np.ndarray | None) -> None:
     """Fill every group's ``choice_piece``/``choice_rank`` (see module doc)."""
     _SourceChooser(groups, source, domains).choose()
-
-
-def candidate_ranks(group: GeometryGroup, source: Layout) -> list[list[int]]:
-    """Per choice column of ``group``, the ranks of its candidate source pieces."""
-    items = group.items
-    ranks = source.tables[group.tensors[0]].ranks[items.candidates].tolist()
-    starts, counts = items.cand_start[group.choice_cols].tolist(), items.cand_count[group.choice_cols].tolist()
-    return [ranks[start: start + count] for start, count in zip(starts, counts)]
 
 
 def dealt_bytes(group: GeometryGroup, column: int, num_candidates: int) -> list[int]:
@@ -165,13 +157,11 @@ class _SourceChooser:
     def _work(self) -> list[Work]:
         """Every choice column, largest first; sets each rank's load from the copies with one candidate."""
         domains = self.domains
-        fixed_of: dict[int, np.ndarray] = {}  # per intersection (groups alike share it): remote items of one candidate
+        fixed_of: dict = {}  # remote items of one candidate, per intersection
         ranks, nbytes = [], []  # of the fixed copies that load a rank
         work: list[Work] = []
         for index, group in enumerate(self.groups):
-            fixed = fixed_of.get(id(group.items))  # the items live as long as the groups
-            if fixed is None:
-                fixed = fixed_of[id(group.items)] = np.flatnonzero((group.items.kind == REMOTE) & (group.choice_of < 0))
+            fixed = fixed_items(group, REMOTE, fixed_of)
             if len(fixed):
                 if domains is not None:
                     fixed = fixed[domains[group.rank[fixed]] != domains[group.dst_rank[fixed]]]
