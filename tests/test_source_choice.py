@@ -128,3 +128,41 @@ def test_distinct_rows_group_rows_as_numpy_unique_does(rows):
     first, inverse = _distinct_rows(rows)
     assert (rows[first][inverse] == rows).all()  # each row's representative equals it
     assert len(first) == len(np.unique(rows, axis=0))  # and distinct rows have distinct representatives
+
+
+def popped_from_a_heap(entries, columns, each, size):
+    """:func:`~reshard.planning.sources.deal_one_each` as the rule says it: per column, pop the ``each``
+    least entries, then push them back ``size`` heavier."""
+    import heapq
+    heap = list(entries)
+    heapq.heapify(heap)
+    picked = []
+    for _ in range(columns):
+        taken = [heapq.heappop(heap) for _ in range(each)]
+        picked.append([position for _, _, position in taken])
+        for load, rank, position in taken:
+            heapq.heappush(heap, (load + size, rank, position))
+    return picked, sorted(heap)
+
+
+@st.composite
+def deals(draw):
+    """Entries of distinct positions, loads spread little or much against the size (level or not,
+    ties among loads and ranks), and as many columns as a run has."""
+    count = draw(st.integers(2, 12))
+    size = draw(st.sampled_from([0, 1, 3, 7, 100]))
+    spread = draw(st.sampled_from([0, 1, 5, 50, 10_000, size - 1, size, size + 1]))  # the last: at the edge of level
+    loads = draw(st.lists(st.integers(0, max(spread, 0)), min_size=count, max_size=count))
+    ranks = draw(st.lists(st.integers(0, draw(st.sampled_from([3, 20]))), min_size=count, max_size=count))
+    entries = [(load, rank, position) for position, (load, rank) in enumerate(zip(loads, ranks))]
+    return entries, draw(st.integers(1, 60)), draw(st.integers(1, count - 1)), size
+
+
+@settings(max_examples=400, deadline=None)
+@given(deals())
+def test_closed_form_dealing_pops_as_a_heap_does(deal):
+    entries, columns, each, size = deal
+    picked, final = sources.deal_one_each(entries, columns, each, size)
+    expected_picked, expected_final = popped_from_a_heap(entries, columns, each, size)
+    assert picked == expected_picked
+    assert sorted(final) == expected_final

@@ -129,16 +129,16 @@ def _itemsizes(destination: Layout, names: list[str], num_pieces: int, rows: dic
     (one row, often a broadcast view, where all agree); ``rows``: a dict kept over one grouping, where
     the broadcast rows of one size are made once."""
     single = destination.single_itemsize
-    if single is not None:  # one dtype for every buffer (at scale): no look-up per tensor
+    if single is None:
+        quick = {destination.buffer_itemsize(name) for name in names}
+        single = quick.pop() if len(quick) == 1 else None
+    if single is not None:  # one buffer dtype for every piece of every tensor
         if rows is None:
             return _broadcast_row(single, num_pieces)
         row = rows.get((single, num_pieces))
         if row is None:
             row = rows[(single, num_pieces)] = _broadcast_row(single, num_pieces)
         return row
-    quick = {destination.buffer_itemsize(name) for name in names}
-    if len(quick) == 1 and None not in quick:  # one buffer dtype for every piece of every tensor
-        return _broadcast_row(quick.pop(), num_pieces)
     found = [destination.buffer_dtypes(name) for name in names]
     uniform = [dtypes.itemsize for dtypes in found]
     if None not in uniform:  # each tensor's pieces share one buffer itemsize (the common case)
@@ -164,6 +164,7 @@ class _ItemParts:
     piece: np.ndarray  # source piece of each item whose source needs no choice (-1: remote with a choice)
     from_source: np.ndarray  # items whose sending rank is a source piece's (not fan-out)
     multi: np.ndarray  # remote items with several candidates: the choice columns
+    choice_of: np.ndarray  # per item, its column among the choice columns (-1: its source is fixed)
 
     @classmethod
     def of(cls, items: TensorItems) -> "_ItemParts":
@@ -172,31 +173,40 @@ class _ItemParts:
         single = (items.kind == REMOTE) & (items.cand_count == 1)  # a remote copy with one candidate
         piece[single] = items.candidates[items.cand_start[single]]
         multi = np.flatnonzero((items.kind == REMOTE) & (items.cand_count > 1))
-        return cls(volume, piece, np.flatnonzero(items.kind != FANOUT), multi)
+        choice_of = np.full(len(items), -1, np.int64)
+        choice_of[multi] = np.arange(len(multi))
+        return cls(volume, piece, np.flatnonzero(items.kind != FANOUT), multi, read_only((choice_of,))[0])
 
 
 def _make_group(items: TensorItems, parts: _ItemParts, names: list[str], tensor_index: np.ndarray,
                 src_table: PieceTable, dst_table: PieceTable, itemsizes: np.ndarray, shared: dict
                 ) -> GeometryGroup:
     """The group of ``names`` (one geometry, its ``items``), with every source that needs no choice;
-    ``shared``: a dict kept over one grouping (bytes per item of an intersection in one itemsize, and
-    their views over as many instances: read-only arrays groups alike share)."""
+    ``shared``: a dict kept over one grouping (bytes per item of an intersection in one itemsize, their
+    views over as many instances and their sums: read-only arrays groups alike share)."""
     num_instances, num_multi = len(names), len(parts.multi)
+    total = None
     if itemsizes.shape[0] == 1 and itemsizes.strides[1] == 0:  # one itemsize: bytes per item shared
         key = (id(items), int(itemsizes[0, 0]), num_instances)
-        nbytes = shared.get(key)
-        if nbytes is None:
+        hit = shared.get(key)
+        if hit is None:
             row = read_only((parts.volume * int(itemsizes[0, 0]),))[0][None, :]
-            nbytes = shared[key] = np.broadcast_to(row, (num_instances, len(items)))
+            nbytes = np.broadcast_to(row, (num_instances, len(items)))
+            hit = shared[key] = (nbytes, read_only((nbytes.sum(axis=0),))[0])
+        nbytes, total = hit
     else:
         nbytes = np.broadcast_to(itemsizes[:, items.dst_piece] * parts.volume[None, :], (num_instances, len(items)))
     dst_rank = dst_table.ranks[items.dst_piece]
     rank = dst_rank.copy()  # fan-out: the destination rank itself
     rank[parts.from_source] = src_table.ranks[parts.piece[parts.from_source]]
-    return GeometryGroup(
+    group = GeometryGroup(
         items, names, tensor_index, parts.piece, rank, dst_rank, nbytes,
         parts.multi, np.zeros((num_instances, num_multi), np.int64), np.zeros((num_instances, num_multi), np.int64),
     )
+    group.__dict__["choice_of"] = parts.choice_of  # the cached properties, shared by groups alike
+    if total is not None:
+        group.__dict__["total_bytes"] = total
+    return group
 
 
 def group_tensors(source: Layout, destination: Layout, tensors: list[str]) -> list[GeometryGroup]:

@@ -292,20 +292,105 @@ class _SourceChooser:
 
     def _deal_one_each(self, run: list[Work], num_instances: int, pool: _Pool, load: list[int], size: int) -> None:
         """More replicas than tensors, one size: per column the least loaded take one instance each
-        (the columns of ``run`` share ``pool``)."""
+        (the columns of ``run`` share ``pool``), in closed form where it is exact
+        (:func:`deal_one_each`)."""
         ranks, positions = pool.ranks, pool.positions
         if len(run) == 1 and num_instances == 1:  # one pick: the least loaded, as the heap would give it
             rank_load, rank, position = min([(load[ranks[x]], ranks[x], x) for x in positions])
             self.orders[run[0][1]][run[0][2]] = [position]
             load[rank] = rank_load + size
             return
-        heap = [(load[ranks[x]], ranks[x], x) for x in positions]
-        heapq.heapify(heap)
-        pop, push, instances, orders = heapq.heappop, heapq.heappush, range(num_instances), self.orders
-        for _, index, column in run:
-            picked = [pop(heap) for _ in instances]
-            orders[index][column] = [position for _, _, position in picked]
-            for rank_load, rank, position in picked:
-                push(heap, (rank_load + size, rank, position))
-        for rank_load, rank, _ in heap:
+        entries = [(load[ranks[x]], ranks[x], x) for x in positions]
+        picked, final = deal_one_each(entries, len(run), num_instances, size)
+        orders = self.orders
+        for (_, index, column), order in zip(run, picked):
+            orders[index][column] = order
+        for rank_load, rank, _ in final:
             load[rank] = rank_load
+
+
+def deal_one_each(entries: list[tuple[int, int, int]], columns: int, each: int, size: int
+                  ) -> tuple[list[list[int]], list[tuple[int, int, int]]]:
+    """``columns`` columns dealt over ``entries`` ``(load, rank, position)`` (distinct, more than
+    ``each``): each column takes the ``each`` least (load, rank, position) entries, least first, and
+    adds ``size`` to their loads. Returns (each column's positions, the entries after).
+
+    The answer of popping a heap, in closed form where it is exact: one instance per column takes the
+    ``columns`` least of every entry's loads ``load + size * j``; several, once the entries are
+    *level* (the least one after ``+ size`` above the greatest), go round in sorted order (each
+    column's picks ``+ size`` come after every other). Before that, a heap, a few columns at a time.
+
+    >>> deal_one_each([(0, 1, 0), (5, 2, 1), (9, 3, 2)], 4, 1, 4)[0]       # loads 0 4 5 8 ...
+    [[0], [0], [1], [0]]
+    >>> deal_one_each([(0, 1, 0), (1, 2, 1), (2, 3, 2)], 3, 2, 10)        # level: round in order
+    ([[0, 1], [2, 0], [1, 2]], [(20, 1, 0), (21, 2, 1), (22, 3, 2)])
+    """
+    if size == 0:  # nothing changes: every column takes the same least entries
+        least = [position for _, _, position in sorted(entries)[:each]]
+        return [list(least) for _ in range(columns)], list(entries)
+    if each == 1:
+        return _water_fill(entries, columns, size)
+    heap = list(entries)
+    heapq.heapify(heap)
+    picked: list[list[int]] = []
+    pop, push, instances = heapq.heappop, heapq.heappush, range(each)
+    step = -(-len(heap) // each)  # columns between checks: one round of the entries
+    while len(picked) < columns:
+        least, greatest = heap[0], max(heap)
+        if (least[0] + size, least[1], least[2]) > greatest:  # level
+            return _round(sorted(heap), columns - len(picked), each, size, picked)
+        for _ in range(min(step, columns - len(picked))):
+            taken = [pop(heap) for _ in instances]
+            picked.append([position for _, _, position in taken])
+            for rank_load, rank, position in taken:
+                push(heap, (rank_load + size, rank, position))
+    return picked, heap
+
+
+def _round(ordered: list[tuple[int, int, int]], columns: int, each: int, size: int, picked: list[list[int]]
+           ) -> tuple[list[list[int]], list[tuple[int, int, int]]]:
+    """:func:`deal_one_each` from level entries (``ordered``: sorted), after the columns ``picked``."""
+    m, total = len(ordered), columns * each
+    at = np.arange(total) % m
+    positions = np.array([e[2] for e in ordered], np.int64)
+    picked.extend(positions[at].reshape(columns, each).tolist())
+    rounds, rest = divmod(total, m)
+    final = [(load + size * (rounds + (q < rest)), rank, position) for q, (load, rank, position) in enumerate(ordered)]
+    return picked, final
+
+
+def _water_fill(entries: list[tuple[int, int, int]], columns: int, size: int
+                ) -> tuple[list[list[int]], list[tuple[int, int, int]]]:
+    """:func:`deal_one_each` of one instance per column: the ``columns`` least keys
+    ``(load + size * j, rank, position)`` over entries and ``j >= 0``, in order."""
+    load = np.array([e[0] for e in entries], np.int64)
+    rank = np.array([e[1] for e in entries], np.int64)
+    position = np.array([e[2] for e in entries], np.int64)
+
+    def at_most(level: int) -> np.ndarray:  # each entry's keys of load <= level
+        return np.where(load <= level, (level - load) // size + 1, 0)
+
+    base = int(load.min())  # the last pick's load lies in (base + size * (rounds - 1), base + size * rounds]
+    low, high = 0, columns  # rounds: the least with at least `columns` keys at or below
+    while low < high:
+        mid = (low + high) // 2
+        if int(at_most(base + size * mid).sum()) >= columns:
+            high = mid
+        else:
+            low = mid + 1
+    top = base + size * low
+    below = at_most(top - size)  # keys at or below the round before: all taken
+    window = load + ((top - load) // size) * size  # each entry's one key in (top - size, top]
+    window = window[(load <= top)]
+    last = int(np.sort(window)[columns - int(below.sum()) - 1])  # the last pick's load
+    counts = at_most(last - 1)  # keys below the last pick's load: all taken
+    ties = np.flatnonzero((load <= last) & ((last - load) % size == 0))  # a key at that load: the least ranks
+    ties = ties[np.lexsort((position[ties], rank[ties]))][: columns - int(counts.sum())]
+    counts[ties] += 1
+    owner = np.repeat(np.arange(len(load)), counts)
+    step = np.arange(len(owner)) - np.repeat(np.cumsum(counts) - counts, counts)
+    keys = load[owner] + size * step
+    order = owner[np.lexsort((position[owner], rank[owner], keys))]
+    picked = position[order][:, None].tolist()
+    final = [(e[0] + size * c, e[1], e[2]) for e, c in zip(entries, counts.tolist())]
+    return picked, final
