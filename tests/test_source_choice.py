@@ -31,7 +31,8 @@ class OneColumnAtATime(_SourceChooser):
 
     def choose(self) -> None:
         candidates, homes, orders = {}, {}, {}
-        for _, index, column in self._work():
+        work = self._work()
+        for index, column in zip(work.group.tolist(), work.column.tolist()):
             group = self.groups[index]
             if index not in candidates:
                 candidates[index] = candidate_ranks(group, self.source)
@@ -87,6 +88,7 @@ def test_stretches_of_one_tensor_columns_choose_as_one_at_a_time(pair, gpus_per_
     domains = domain_array(28, gpus_per_domain)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sources, "BULK_COLUMNS", bulk)  # 1: every group's pools found with numpy
+        patch.setattr(sources, "STRETCH_WINDOW", bulk)  # 1: a stretch's end found by doubling from one column
         assert chosen(source, destination, domains, _SourceChooser) == chosen(source, destination, domains,
                                                                               OneColumnAtATime)
 
@@ -115,8 +117,11 @@ def test_many_columns_of_one_group_choose_as_one_at_a_time(gpus_per_domain, laye
             dst.append(rs.Layout.from_placements(spec, list(range(12, 44)), (32,), [rs.Shard(0)]))
     source, destination = rs.Layout.merge(src), rs.Layout.merge(dst)
     domains = domain_array(44, gpus_per_domain)
-    assert chosen(source, destination, domains, _SourceChooser) == chosen(source, destination, domains,
-                                                                          OneColumnAtATime)
+    expected = chosen(source, destination, domains, OneColumnAtATime)
+    assert chosen(source, destination, domains, _SourceChooser) == expected
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sources, "STRETCH_WINDOW", 1)
+        assert chosen(source, destination, domains, _SourceChooser) == expected
 
 
 @settings(max_examples=100, deadline=None)

@@ -23,7 +23,6 @@ is what each rank sends out of its domain (its NIC egress; see
 from __future__ import annotations
 
 import heapq
-import itertools
 from typing import NamedTuple
 
 import numpy as np
@@ -32,7 +31,32 @@ from ..layout import Layout
 from .geometry_groups import GeometryGroup, fixed_items
 from .intersect import REMOTE
 
-Work = tuple[int, int, int]  # (-bytes of the column over all instances, group index, choice column)
+
+
+class WorkArrays(NamedTuple):
+    """Every choice column, largest first (sorted as ``(-bytes, group, column)`` tuples sort), with
+    what the dealing reads of it: its pool, its group's instance count, whether it can join a
+    stretch, and where the run or stretch from it ends at the latest."""
+
+    neg: np.ndarray  # -bytes of the column over all instances
+    group: np.ndarray  # group index
+    column: np.ndarray  # choice column in its group
+    pool: np.ndarray  # its pool's id
+    instances: np.ndarray  # its group's tensors
+    stretch: np.ndarray  # bool: more candidates dealt over than instances, one size per column
+    run_end: np.ndarray  # end of the columns from here on with the same bytes, group and pool
+    stretch_end: np.ndarray  # the next column that cannot join a stretch
+
+
+def _next_false(flags: np.ndarray) -> np.ndarray:
+    """For each position, the first position at or after it whose flag is False (``len(flags)``: none).
+
+    >>> _next_false(np.array([True, False, True, True])).tolist()
+    [1, 1, 4, 4]
+    """
+    n = len(flags)
+    at = np.where(flags, n, np.arange(n))
+    return np.minimum.accumulate(at[::-1])[::-1] if n else at
 
 
 def choose_sources(groups: list[GeometryGroup], source: Layout, domains: np.ndarray | None) -> None:
@@ -105,6 +129,7 @@ class _Pool(NamedTuple):
     members: list[int]
 
 
+STRETCH_WINDOW = 512  # columns looked at for a stretch's end, doubled until it ends inside
 BULK_COLUMNS = 32  # groups with at least this many choice columns find their pools with numpy
 
 
@@ -148,35 +173,60 @@ class _SourceChooser:
     def choose(self) -> None:
         work = self._work()
         start = 0
-        while start < len(work):
-            start = self._deal_run(work, start)
+        while start < len(work.group):
+            start = self._deal_stretch(work, start) if work.stretch[start] else self._deal_run(work, start)
         for index, group in enumerate(self.groups):
             if len(group.choice_cols):
                 fill_choices(group, self.orders[index], self.source)
 
-    def _work(self) -> list[Work]:
+    def _work(self) -> "WorkArrays":
         """Every choice column, largest first; sets each rank's load from the copies with one candidate."""
         domains = self.domains
         fixed_of: dict = {}  # remote items of one candidate, per intersection
         ranks, nbytes = [], []  # of the fixed copies that load a rank
-        work: list[Work] = []
-        for index, group in enumerate(self.groups):
+        neg, index, column = [], [], []
+        for g, group in enumerate(self.groups):
             fixed = fixed_items(group, REMOTE, fixed_of)
             if len(fixed):
                 if domains is not None:
                     fixed = fixed[domains[group.rank[fixed]] != domains[group.dst_rank[fixed]]]
                 ranks.append(group.rank[fixed])
                 nbytes.append(group.total_bytes[fixed])
-            if len(group.choice_cols):
-                work.extend(zip((-group.total_bytes[group.choice_cols]).tolist(), itertools.repeat(index),
-                                range(len(group.choice_cols))))
+            cols = len(group.choice_cols)
+            if cols:
+                neg.append(-group.total_bytes[group.choice_cols])
+                index.append(np.full(cols, g, np.int64))
+                column.append(np.arange(cols, dtype=np.int64))
         fixed_load = np.zeros(max(self.source.ranks, default=0) + 1, np.int64)
         if ranks:  # exact: integer sums
             np.add.at(fixed_load, np.concatenate(ranks), np.concatenate(nbytes).astype(np.int64))
-        work.sort()
         self.load = fixed_load.tolist()  # plain ints: the dealing does a few list operations per copy
         self.near_load = [0] * len(self.load)
-        return work
+        return self._work_arrays(neg, index, column)
+
+    def _work_arrays(self, neg: list[np.ndarray], index: list[np.ndarray], column: list[np.ndarray]) -> "WorkArrays":
+        """The columns sorted as (-bytes, group, column) tuples sort, each with its pool (every group's
+        pools made here), and where each next run or stretch may end."""
+        if not neg:
+            empty = np.zeros(0, np.int64)
+            return WorkArrays(empty, empty, empty, empty, empty, np.zeros(0, bool), empty, empty)
+        neg_all, index_all, column_all = np.concatenate(neg), np.concatenate(index), np.concatenate(column)
+        order = np.lexsort((column_all, index_all, neg_all))
+        neg_all, index_all, column_all = neg_all[order], index_all[order], column_all[order]
+        starts = np.zeros(len(self.groups), np.int64)  # where each group's columns start among all pools
+        pools: list[int] = []
+        for g in dict.fromkeys(index_all.tolist()):  # pools made in the order the dealing meets them
+            starts[g] = len(pools)
+            pools.extend(self._start_group(g))
+        pool = np.array(pools, np.int64)[starts[index_all] + column_all]
+        instances = np.array([len(group.tensors) for group in self.groups], np.int64)[index_all]
+        one_size = np.array([group.nbytes.strides[0] == 0 or len(group.tensors) == 1 for group in self.groups])[index_all]
+        dealt_over = np.array([len(p.positions) for p in self.pools], np.int64)[pool]
+        stretch = (dealt_over > instances) & one_size
+        same = np.zeros(len(neg_all), bool)  # the column before has the same bytes, group and pool
+        same[1:] = (neg_all[1:] == neg_all[:-1]) & (index_all[1:] == index_all[:-1]) & (pool[1:] == pool[:-1])
+        run_end = np.append(_next_false(same)[1:], len(same))
+        return WorkArrays(neg_all, index_all, column_all, pool, instances, stretch, run_end, _next_false(stretch))
 
     def _start_group(self, index: int) -> list[int]:
         """The pool id of each of group ``index``'s choice columns (its state made on first use)."""
@@ -222,28 +272,17 @@ class _SourceChooser:
             self.pools.append(_Pool(candidates, positions, home >= 0, [candidates[x] for x in positions]))
         return found
 
-    def _run_end(self, work: list[Work], start: int) -> int:
-        """End of the run from ``work[start]``: the next columns of its group with the same bytes and
-        pool (the same candidates, and destination domain where a candidate lies in it)."""
-        neg_bytes, index, column = work[start]
-        ids = self.pool_of[index]
-        end = start + 1
-        while end < len(work) and work[end][0] == neg_bytes and work[end][1] == index and ids[work[end][2]] == ids[column]:
-            end += 1
-        return end
-
-    def _deal_run(self, work: list[Work], start: int) -> int:
-        """Deal the columns of the run from ``work[start]``; returns where the next run starts."""
-        _, index, column = work[start]
+    def _deal_run(self, work: "WorkArrays", start: int) -> int:
+        """Deal the columns of the run from ``start`` (the next columns of its group with the same bytes
+        and pool: the same candidates, and destination domain where a candidate lies in it); returns
+        where the next run starts."""
+        index, column = int(work.group[start]), int(work.column[start])
         group = self.groups[index]
-        pool = self.pools[self._start_group(index)[column]]
+        pool = self.pools[int(work.pool[start])]
         load = self.near_load if pool.near else self.load
-        num_instances = len(group.tensors)
-        if len(pool.positions) > num_instances and (group.nbytes.strides[0] == 0 or num_instances == 1):
-            return self._deal_stretch(work, start)
-        end = self._run_end(work, start)
+        end = int(work.run_end[start])
         ranks = pool.ranks
-        order = _by_load(pool.positions, ranks, load, num_instances)
+        order = _by_load(pool.positions, ranks, load, len(group.tensors))
         dealt = dealt_bytes(group, column, len(order))
         if not (len(order) == len(pool.positions) and dealt.count(dealt[0]) == len(dealt)):
             end = start + 1  # uneven gains change the order: one column at a time
@@ -251,59 +290,70 @@ class _SourceChooser:
         for position, gain in zip(order, dealt):
             load[ranks[position]] += gain * (end - start)
         orders = self.orders[index]
-        for _, _, same in work[start:end]:
+        for same in work.column[start:end].tolist():
             orders[same] = order
         return end
 
-    def _deal_stretch(self, work: list[Work], start: int) -> int:
-        """Deal the columns from ``work[start]`` on whose candidates are more than their instances (one
+    def _deal_stretch(self, work: "WorkArrays", start: int) -> int:
+        """Deal the columns from ``start`` on whose candidates are more than their instances (one
         size each: every instance takes another candidate), as long as any two of their pools are the
         same or share no rank; returns where the next column starts.
 
         A column reads and adds to the load of its pool's ranks only, so columns of pools sharing no
         rank can be dealt in any order: the columns of each pool are dealt together, in the order of
         ``work`` (with a heap), and every choice is the one dealing them one by one would make. Pools
-        balanced by another load (near, far) never meet."""
-        runs: dict[tuple, list[Work]] = {}
-        used: dict[bool, set[int]] = {False: set(), True: set()}  # ranks of the stretch's pools, per load
-        groups, start_group, pools = self.groups, self._start_group, self.pools
-        end = start
-        while end < len(work):
-            neg_bytes, index, column = work[end]
-            group = groups[index]
-            num_instances = len(group.tensors)
-            pid = start_group(index)[column]
-            pool = pools[pid]
-            if not (len(pool.positions) > num_instances and (group.nbytes.strides[0] == 0 or num_instances == 1)):
+        balanced by another load (near, far) never meet. A pool takes one run (one instance count
+        and size) per stretch: a column of another size in it starts the next stretch."""
+        limit, window = int(work.stretch_end[start]), STRETCH_WINDOW
+        while True:  # the stretch found in a window of columns, doubled until it ends inside (or at the limit)
+            end = min(start + window, limit)
+            pool, instances = work.pool[start:end], work.instances[start:end]
+            size = -work.neg[start:end] // instances
+            _, first, run_of = np.unique(pool, return_index=True, return_inverse=True)  # a run per pool
+            run_of = run_of.reshape(-1)
+            head = first[run_of]  # each column's pool's first column
+            other = np.flatnonzero((instances != instances[head]) | (size != size[head]))
+            stop = int(other[0]) if len(other) else end - start  # a pool's second size: a new run, overlapping
+            used: dict[bool, set[int]] = {False: set(), True: set()}  # ranks of the stretch's pools, per load
+            for r in np.argsort(first).tolist():  # pools in order of their first column
+                if first[r] >= stop:
+                    break
+                p = self.pools[int(pool[first[r]])]
+                if not used[p.near].isdisjoint(p.members):
+                    stop = int(first[r])  # a pool overlapping another: its order against it matters
+                    break
+                used[p.near].update(p.members)
+            if stop < end - start or end == limit:
+                end = start + stop
                 break
-            key = (pid, num_instances, -neg_bytes // num_instances)
-            run = runs.get(key)
-            if run is None:
-                if not used[pool.near].isdisjoint(pool.members):
-                    break  # a pool overlapping another: its order against it matters
-                used[pool.near].update(pool.members)
-                run = runs[key] = []
-            run.append(work[end])
-            end += 1
-        for (pid, num_instances, size), run in runs.items():
-            pool = pools[pid]
-            self._deal_one_each(run, num_instances, pool, self.near_load if pool.near else self.load, size)
+            window *= 2
+        run_of = run_of[: end - start]
+        by_run = np.argsort(run_of, kind="stable") + start  # each run's columns, in order
+        bounds = np.concatenate([[0], np.cumsum(np.bincount(run_of, minlength=len(first)))]).tolist()
+        for r in np.argsort(first).tolist():
+            if first[r] >= end - start:
+                break
+            at = by_run[bounds[r]: bounds[r + 1]]
+            p, num_instances = self.pools[int(work.pool[at[0]])], int(work.instances[at[0]])
+            self._deal_one_each(list(zip(work.group[at].tolist(), work.column[at].tolist())), num_instances, p,
+                                self.near_load if p.near else self.load, int(-work.neg[at[0]]) // num_instances)
         return end
 
-    def _deal_one_each(self, run: list[Work], num_instances: int, pool: _Pool, load: list[int], size: int) -> None:
+    def _deal_one_each(self, run: list[tuple[int, int]], num_instances: int, pool: _Pool, load: list[int],
+                       size: int) -> None:
         """More replicas than tensors, one size: per column the least loaded take one instance each
-        (the columns of ``run`` share ``pool``), in closed form where it is exact
-        (:func:`deal_one_each`)."""
+        (the columns of ``run``, (group, column) pairs, share ``pool``), in closed form where it is
+        exact (:func:`deal_one_each`)."""
         ranks, positions = pool.ranks, pool.positions
         if len(run) == 1 and num_instances == 1:  # one pick: the least loaded, as the heap would give it
             rank_load, rank, position = min([(load[ranks[x]], ranks[x], x) for x in positions])
-            self.orders[run[0][1]][run[0][2]] = [position]
+            self.orders[run[0][0]][run[0][1]] = [position]
             load[rank] = rank_load + size
             return
         entries = [(load[ranks[x]], ranks[x], x) for x in positions]
         picked, final = deal_one_each(entries, len(run), num_instances, size)
         orders = self.orders
-        for (_, index, column), order in zip(run, picked):
+        for (index, column), order in zip(run, picked):
             orders[index][column] = order
         for rank_load, rank, _ in final:
             load[rank] = rank_load
