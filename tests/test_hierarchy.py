@@ -8,6 +8,7 @@ ranks need minus those its own source ranks hold.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -229,3 +230,39 @@ def test_relay_boxes_of_a_few_rows_are_those_numpy_finds(data):
     copies = data.draw(st.integers(1, 3))
     small, large = _relay_boxes_small(t, source, dom, copies, gpus), _relay_boxes_large(t, source, dom, copies, gpus)
     assert [(m.tolist(), e) for m, e in small] == [(m.tolist(), e) for m, e in large]
+
+
+def _tables_sharing(layout: rs.Layout, shared: bool) -> rs.Layout:
+    """``layout`` with the same contents, its tensors' rank and box arrays either one set shared by
+    all the tensors alike (``shared``) or copies of their own."""
+    from reshard.piece_table import PieceTable
+    first: dict[bytes, PieceTable] = {}
+    tables = {}
+    for name, t in layout.tables.items():
+        model = first.setdefault(t.geometry_key(), t)
+        arrays = (model.ranks, model.offsets, model.sizes) if shared else (t.ranks.copy(), t.offsets.copy(),
+                                                                           t.sizes.copy())
+        tables[name] = PieceTable(*arrays, t.buffers, t.buffer_offsets.copy())
+    return layout.with_tables(tables)
+
+
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_a_plan_depends_on_what_the_layouts_hold_not_on_how_their_arrays_are_shared(chunks):
+    """Twelve LM-head-like tensors on 4 training ranks (2 domains), needed whole by 10 inference
+    domains: their seeds are dealt over the tensors alike. Two processes building the same layouts,
+    one with the tensors' arrays shared and one with copies (as unpickling parts from several ranks
+    gives), must get the same plan: the relay split groups tensors by content, not identity."""
+    specs = [rs.TensorSpec(f"head{i}.weight", (16, 8), torch.bfloat16) for i in range(12)]
+    src = rs.Layout.merge([rs.Layout.from_placements(s, [0, 1, 2, 3], (4,), [rs.Replicate()]) for s in specs])
+    dst = rs.Layout.merge([rs.Layout.from_placements(s, list(range(4, 24)), (10, 2), [rs.Replicate(), rs.Shard(0)])
+                           for s in specs])
+    domains = {r: r // 2 for r in range(4)} | {r: 2 + (r - 4) // 2 for r in range(4, 24)}
+    plans = [hierarchical_plan(_tables_sharing(src, shared), _tables_sharing(dst, shared), domains, split_bytes=None)
+             for shared in (True, False)]
+    assert plans[0].relay is not None
+    assert plans[0].fingerprint() == plans[1].fingerprint()
+    for a, b in zip(plans[0].phases, plans[1].phases):
+        assert a.pair_bytes == b.pair_bytes
+    steps = [[[(phase, dict(pairs)) for phase, pairs in step] for step in plan.pipelined(chunks).step_pair_bytes()]
+             for plan in plans]
+    assert steps[0] == steps[1]

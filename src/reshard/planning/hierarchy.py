@@ -566,7 +566,7 @@ def _source_copies(st: PieceTable, cache: dict | None = None) -> int:
 
 def _rows_of(t: PieceTable, rows: np.ndarray, cache: dict | None = None) -> tuple[np.ndarray, ...]:
     """Read-only ranks, offsets, sizes of ``rows``: shared by the tables of every tensor with
-    this geometry and receiver choice (the planner then sees one geometry by identity); ``cache``: a
+    this geometry and receiver choice (later passes then work once per tensors alike); ``cache``: a
     dict kept over one split, where tables sharing offsets and sizes arrays share the restricted ones
     (the cache holds what its keys name)."""
     if cache is None:
@@ -676,8 +676,7 @@ def split_receivers(destination: Layout, domains: Mapping[int, int]) -> tuple[La
 def _cut_rows(t: PieceTable, nbytes: np.ndarray, split_bytes: int, replicas: int) -> tuple[np.ndarray, ...]:
     """(source row of each part, ranks, offsets, sizes, buffer offsets) of ``t`` with each piece of at
     least ``split_bytes`` (``nbytes`` per piece) cut along its first dim of size >= 2 into
-    ``min(replicas, that size)`` parts (tensors alike share them: buffer offsets read-only, the
-    others copied per tensor)."""
+    ``min(replicas, that size)`` parts (read-only: tensors alike share them)."""
     rows = []
     for i in range(len(t)):
         if nbytes[i] < split_bytes:
@@ -700,7 +699,7 @@ def _cut_rows(t: PieceTable, nbytes: np.ndarray, split_bytes: int, replicas: int
             offsets[j, d] += a
             sizes[j, d] = size
             boffs[j, lead + d] += a
-    return (idx, t.ranks[idx], offsets, sizes) + read_only((boffs,))
+    return (idx,) + read_only((t.ranks[idx], offsets, sizes, boffs))
 
 
 def split_across_replicas(receivers: Layout, source: Layout, split_bytes: int) -> Layout:
@@ -734,8 +733,7 @@ def split_across_replicas(receivers: Layout, source: Layout, split_bytes: int) -
         idx, ranks, offsets, sizes, boffs = cut
         b = t.one_buffer()
         names = Repeated(b, len(idx)) if b is not None else tuple(t.buffers[i] for i in idx.tolist())
-        # each tensor its own geometry arrays, as before: the relay split groups tensors by their identity
-        tables[name] = PieceTable(ranks.copy(), offsets.copy(), sizes.copy(), names, boffs)
+        tables[name] = PieceTable(ranks, offsets, sizes, names, boffs)
     return receivers.with_tables(tables)
 
 
@@ -862,13 +860,21 @@ def split_relays(receivers: Layout, source: Layout, domains: Mapping[int, int]) 
     gpus = np.bincount(dom[np.asarray(receivers.ranks, np.int64)]) if len(receivers.ranks) else np.zeros(0, np.int64)
     groups: dict[tuple, list[str]] = {}
     held: dict[int, bytes] = {}
+    by_identity: dict[tuple, int] = {}  # tables of the same arrays: one content, looked at once
+    interned: dict[tuple, int] = {}  # tensors alike by content: the plan reads what tables hold, not how
+    # their arrays are shared (two processes building the same layouts differently plan alike)
     for name, t in receivers.tables.items():
         st = source.tables.get(name)
         if len(t) and st is not None and len(st):
             h = held.get(id(st.ranks))
             if h is None:  # every table stays alive while this runs: ids are unique
                 h = held[id(st.ranks)] = np.unique(dom[st.ranks]).tobytes()
-            key = (id(t.ranks), id(t.offsets), id(t.sizes), id(st.offsets), id(st.sizes), len(st), h)
+            ident = (id(t.ranks), id(t.offsets), id(t.sizes), id(st.offsets), id(st.sizes))  # alive meanwhile
+            content = by_identity.get(ident)
+            if content is None:
+                content = by_identity[ident] = interned.setdefault(
+                    (t.geometry_key(), st.offsets.shape, st.offsets.tobytes(), st.sizes.tobytes()), len(interned))
+            key = (content, len(st), h)
             groups.setdefault(key, []).append(name)
     load = [0] * len(dom)  # relay bytes each rank sends (estimated)
     work = []  # (-bytes of the box over the group's tensors, group, box)

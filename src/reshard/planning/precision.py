@@ -152,11 +152,11 @@ class _WireTensors:
         offsets, sizes, zeros, value_descs = self._boxes(geometry, "whole", shape, block, FP8_DTYPE)
         grid_sizes, grid_zeros, scale_descs = self._grid(geometry, scale_dtype)
         self.source_specs[name] = TensorSpec(name, shape, FP8_DTYPE)
-        self.source_tables[name] = self._own_table(info.whole_ranks, offsets, sizes, info.whole_names, zeros)
+        self.source_tables[name] = self._wire_table(info.whole_ranks, offsets, sizes, info.whole_names, zeros)
         self.source_specs[scale] = TensorSpec(scale, geometry.grid, scale_dtype)
         scale_names = staging_names(scale + FP8_STAGING, info.whole_ranks, self.shared)  # a rank's k-th: its k-th values'
-        self.source_tables[scale] = self._own_table(info.whole_ranks, geometry.whole_lo, grid_sizes, scale_names,
-                                                    grid_zeros, keep_offsets=True)
+        self.source_tables[scale] = self._wire_table(info.whole_ranks, geometry.whole_lo, grid_sizes, scale_names,
+                                                     grid_zeros)
         for rank, values_buffer, scales_buffer, value_desc, scale_desc in zip(
                 self._rank_list(info.whole_ranks), info.whole_names, scale_names, value_descs, scale_descs):
             self.source_staging[rank][values_buffer] = value_desc
@@ -181,18 +181,16 @@ class _WireTensors:
         self.source_specs[raw] = TensorSpec(raw, shape, info.source_dtype)
         self.source_tables[raw] = source.tables[name]
         self.destination_specs[raw] = TensorSpec(raw, shape, info.source_dtype)
-        self.destination_tables[raw] = self._own_table(info.raw_ranks, offsets, sizes, info.raw_names, zeros)
+        self.destination_tables[raw] = self._wire_table(info.raw_ranks, offsets, sizes, info.raw_names, zeros)
         for rank, buffer, desc in zip(self._rank_list(info.raw_ranks), info.raw_names, descs):
             self.destination_staging[rank][buffer] = desc
 
-    def _own_table(self, ranks: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, names, buffer_offsets: np.ndarray,
-                   *, keep_offsets: bool = False) -> PieceTable:
-        """A wire table of arrays its own (copies of the shared ones; ``keep_offsets``: its offsets stay the
-        shared array, as they always were): the hierarchical relay split groups tensors by the identity of
-        their arrays, so sharing them would regroup its seed dealing and change the plan. Its geometry key
-        is worked out once for the tables alike."""
-        return PieceTable(ranks.copy(), offsets if keep_offsets else offsets.copy(), sizes.copy(), names,
-                          buffer_offsets.copy(), _shared_geometry_key(ranks, offsets, sizes, self.shared))
+    def _wire_table(self, ranks: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, names, buffer_offsets: np.ndarray
+                    ) -> PieceTable:
+        """A wire table of the (read-only) arrays tensors alike share, its geometry key worked out once for
+        them (plans read what tables hold, not how their arrays are shared)."""
+        return PieceTable(ranks, offsets, sizes, names, buffer_offsets,
+                          _shared_geometry_key(ranks, offsets, sizes, self.shared))
 
     def _boxes(self, geometry: BlockGeometry, path: str, shape, block, dtype: torch.dtype) -> tuple:
         """(element offsets, sizes, zero buffer offsets, each box's staging (shape, dtype)) of a
