@@ -595,15 +595,9 @@ def _subset(t: PieceTable, rows: np.ndarray, shared: tuple[np.ndarray, ...], cac
     the cache holds both arrays, so neither id is reused while it lives, even where the caller
     lets ``rows`` go)."""
     b = t.one_buffer()
+    names = Repeated(b, len(rows)) if b is not None else tuple(t.buffers[r] for r in rows.tolist())
     if cache is None:
-        names = Repeated(b, len(rows)) if b is not None else tuple(t.buffers[r] for r in rows.tolist())
         return PieceTable(*shared, names, t.buffer_offsets[rows])
-    if b is not None:  # one name on every row: the sequence shared too
-        names = cache.get((b, len(rows)))
-        if names is None:
-            names = cache[(b, len(rows))] = Repeated(b, len(rows))
-    else:
-        names = tuple(t.buffers[r] for r in rows.tolist())
     key = (id(t.buffer_offsets), id(rows))
     hit = cache.get(key)
     if hit is None:
@@ -910,17 +904,12 @@ def split_relays(receivers: Layout, source: Layout, domains: Mapping[int, int]) 
                 load[ranks[order[j]]] += per_slot * k
         seeds_of_run = [tuple([rows[order[j]] for j in run_slots]) for run_slots in slots]
         dealt.append((bi, [seeds_of_run[i] for i in run]))
-    seeds: dict[str, PieceTable] = {}
-    relayed: dict[str, PieceTable] = {}
     empty = np.zeros(0, np.int64)
-    offsets_of: dict = {}  # restricted buffer offsets, shared by tables alike
     shared_rows: dict = {}  # restricted offsets and sizes, shared by tables alike
+    cut_of: dict[str, tuple] = {}  # tensor -> (rows kept, their arrays, rows relayed, theirs)
+    relays_any = False
     for names, t, boxes, dealt in found:
-        if not boxes:
-            none = _rows_of(t, empty)  # tensors with no piece relayed share the empty arrays
-            for name in names:
-                seeds[name] = receivers.tables[name]
-                relayed[name] = _subset(receivers.tables[name], empty, none)
+        if not boxes:  # no piece relayed: the tensors stay whole seeds
             continue
         dealt.sort(key=lambda o: o[0])
         index: dict[tuple, int] = {}  # each tensor's seed rows, the same patterns once
@@ -932,13 +921,19 @@ def split_relays(receivers: Layout, source: Layout, domains: Mapping[int, int]) 
         for pat in index:
             kr, rr = _kept_rows(len(t), relay_rows, pat)
             cut.append((kr, _rows_of(t, kr, shared_rows), rr, _rows_of(t, rr, shared_rows)))
-        for name, w in zip(names, which):
-            own = receivers.tables[name]
-            seeds[name] = _subset(own, cut[w][0], cut[w][1], offsets_of)
-            relayed[name] = _subset(own, cut[w][2], cut[w][3], offsets_of)
-    if all(not len(t) for t in relayed.values()):
+            relays_any = relays_any or len(rr) > 0
+        cut_of.update(zip(names, [cut[w] for w in which]))
+    if not relays_any:
         return receivers, None
-    for name, t in receivers.tables.items():  # in the receivers' order; tensors with no source piece as they are
-        seeds[name] = seeds.pop(name, t)
-        relayed[name] = relayed.pop(name) if name in relayed else _subset(t, empty, _rows_of(t, empty))
+    seeds: dict[str, PieceTable] = {}
+    relayed: dict[str, PieceTable] = {}
+    offsets_of: dict = {}  # restricted buffer offsets, shared by tables alike
+    for name, t in receivers.tables.items():  # in the receivers' order
+        cut = cut_of.get(name)
+        if cut is None:  # nothing relayed (or no source piece): the tensor as it is, an empty relayed part
+            seeds[name] = t
+            relayed[name] = _subset(t, empty, _rows_of(t, empty, shared_rows), offsets_of)
+        else:
+            seeds[name] = _subset(t, cut[0], cut[1], offsets_of)
+            relayed[name] = _subset(t, cut[2], cut[3], offsets_of)
     return receivers.with_tables(seeds), receivers.with_tables(relayed)
