@@ -14,6 +14,9 @@ sharing no rank changes no choice)::
     column c               ranks {0, 1}
     column d               ranks {1, 4}    overlaps both: stretch 2 starts here
 
+A pool's columns in a stretch are dealt in closed form where that is exact (:func:`deal_one_each`:
+a water-fill for one instance per column, a round in sorted order once the candidates are level).
+
 With ``domains`` (an array rank -> NVLink domain), candidates in the destination's own
 domain come first (those bytes never leave it), and the load balanced among the others
 is what each rank sends out of its domain (its NIC egress; see
@@ -30,7 +33,6 @@ import numpy as np
 from ..layout import Layout
 from .geometry_groups import GeometryGroup, fixed_items
 from .intersect import REMOTE
-
 
 
 class WorkArrays(NamedTuple):
@@ -179,7 +181,7 @@ class _SourceChooser:
             if len(group.choice_cols):
                 fill_choices(group, self.orders[index], self.source)
 
-    def _work(self) -> "WorkArrays":
+    def _work(self) -> WorkArrays:
         """Every choice column, largest first; sets each rank's load from the copies with one candidate."""
         domains = self.domains
         fixed_of: dict = {}  # remote items of one candidate, per intersection
@@ -204,7 +206,7 @@ class _SourceChooser:
         self.near_load = [0] * len(self.load)
         return self._work_arrays(neg, index, column)
 
-    def _work_arrays(self, neg: list[np.ndarray], index: list[np.ndarray], column: list[np.ndarray]) -> "WorkArrays":
+    def _work_arrays(self, neg: list[np.ndarray], index: list[np.ndarray], column: list[np.ndarray]) -> WorkArrays:
         """The columns sorted as (-bytes, group, column) tuples sort, each with its pool (every group's
         pools made here), and where each next run or stretch may end."""
         if not neg:
@@ -272,7 +274,7 @@ class _SourceChooser:
             self.pools.append(_Pool(candidates, positions, home >= 0, [candidates[x] for x in positions]))
         return found
 
-    def _deal_run(self, work: "WorkArrays", start: int) -> int:
+    def _deal_run(self, work: WorkArrays, start: int) -> int:
         """Deal the columns of the run from ``start`` (the next columns of its group with the same bytes
         and pool: the same candidates, and destination domain where a candidate lies in it); returns
         where the next run starts."""
@@ -294,7 +296,7 @@ class _SourceChooser:
             orders[same] = order
         return end
 
-    def _deal_stretch(self, work: "WorkArrays", start: int) -> int:
+    def _deal_stretch(self, work: WorkArrays, start: int) -> int:
         """Deal the columns from ``start`` on whose candidates are more than their instances (one
         size each: every instance takes another candidate), as long as any two of their pools are the
         same or share no rank; returns where the next column starts.
