@@ -70,6 +70,16 @@ def test_pipelined_delivers_every_element_exactly_once(pc):
 
 @PROPS
 @given(pipelined_cases())
+def test_the_bands_read_from_three_layouts_are_those_of_every_phase_layout(pc):
+    """chunk_of reads the source, the receivers and the destination only: the other phases' layouts
+    hold whole pieces of those, so they would cut no row finer."""
+    _, _, _, h = pc
+    every = [lay for p in h.phases for lay in (p.source, p.destination)] + [h.destination]
+    assert h.chunk_of == tensor_chunks(h.destination, h.chunks, every)
+
+
+@PROPS
+@given(pipelined_cases())
 def test_both_ends_agree_and_a_sub_round_stays_within_the_cap(pc):
     case, domains, seq, h = pc
     steps = {r: h.steps_for_rank(r) for r in _ranks(h)}

@@ -152,9 +152,10 @@ class HierarchicalPlan:
     @cached_property
     def chunk_of(self) -> dict[str, Bands]:
         """How each destination tensor's rows are dealt into the chunks (:func:`tensor_chunks` over
-        every phase's layouts)."""
-        layouts = [lay for p in self.phases for lay in (p.source, p.destination)]
-        return tensor_chunks(self.destination, self.chunks, layouts + [self.destination])
+        every phase's layouts). The seeds, relayed and rest layouts hold some of the receivers' or the
+        destination's pieces, whole (:func:`hierarchical_plan`'s splits), so they cut no row finer than
+        those: the source, the receivers and the destination are the layouts read."""
+        return tensor_chunks(self.destination, self.chunks, [self.source, self.forward.source, self.destination])
 
     def split_by_chunk(self, c) -> list[tuple[int, object]]:
         """``[(chunk, sub-copy)]``: copy ``c`` cut at the row bands of its tensor (:class:`Bands`),
