@@ -152,13 +152,14 @@ def rank_weight_bytes(layout: Layout) -> dict[int, int]:
     for name, t in layout.tables.items():
         if len(t):
             size = layout.buffer_itemsize(name)  # one dtype for all its pieces, known without a look at each
+            found = None
             if size is None:
                 found = layout.buffer_dtypes(name)
                 size = found.uniform.itemsize if found.uniform is not None else None
             key = (id(t.ranks), id(t.sizes), size) if size is not None else (name,)
             hit = alike.get(key)
             if hit is None:
-                alike[key] = [t, size if size is not None else layout.buffer_dtypes(name).itemsizes, 1]
+                alike[key] = [t, size if size is not None else found.itemsizes, 1]
             else:
                 hit[2] += 1
     total = np.zeros(max(layout.ranks, default=-1) + 1, np.int64)

@@ -187,8 +187,8 @@ class _WireTensors:
 
     def _wire_table(self, ranks: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, names, buffer_offsets: np.ndarray
                     ) -> PieceTable:
-        """A wire table of the (read-only) arrays tensors alike share, its geometry key worked out once for
-        them (plans read what tables hold, not how their arrays are shared)."""
+        """A wire table of the arrays tensors alike share (as every table's, treated as read-only), its
+        geometry key worked out once for them (plans read what tables hold, not how their arrays are shared)."""
         return PieceTable(ranks, offsets, sizes, names, buffer_offsets,
                           _shared_geometry_key(ranks, offsets, sizes, self.shared))
 

@@ -317,7 +317,8 @@ class _SourceChooser:
             other = np.flatnonzero((instances != instances[head]) | (size != size[head]))
             stop = int(other[0]) if len(other) else end - start  # a pool's second size: a new run, overlapping
             used: dict[bool, set[int]] = {False: set(), True: set()}  # ranks of the stretch's pools, per load
-            for r in np.argsort(first).tolist():  # pools in order of their first column
+            runs: list[tuple[int, _Pool]] = []  # (run, its pool), in order of their first column
+            for r in np.argsort(first).tolist():
                 if first[r] >= stop:
                     break
                 p = self.pools[int(pool[first[r]])]
@@ -325,6 +326,7 @@ class _SourceChooser:
                     stop = int(first[r])  # a pool overlapping another: its order against it matters
                     break
                 used[p.near].update(p.members)
+                runs.append((r, p))
             if stop < end - start or end == limit:
                 end = start + stop
                 break
@@ -332,11 +334,9 @@ class _SourceChooser:
         run_of = run_of[: end - start]
         by_run = np.argsort(run_of, kind="stable") + start  # each run's columns, in order
         bounds = np.concatenate([[0], np.cumsum(np.bincount(run_of, minlength=len(first)))]).tolist()
-        for r in np.argsort(first).tolist():
-            if first[r] >= end - start:
-                break
+        for r, p in runs:
             at = by_run[bounds[r]: bounds[r + 1]]
-            p, num_instances = self.pools[int(work.pool[at[0]])], int(work.instances[at[0]])
+            num_instances = int(work.instances[at[0]])
             self._deal_one_each(list(zip(work.group[at].tolist(), work.column[at].tolist())), num_instances, p,
                                 self.near_load if p.near else self.load, int(-work.neg[at[0]]) // num_instances)
         return end
