@@ -46,6 +46,7 @@ import numpy as np
 from ..gc_pause import without_gc
 from ..layout import Layout, PieceTable, Repeated, read_only
 from ..tensors import itemsize
+from .code_sums import sum_by_code
 from .geometry_groups import SMALL_TABLES
 from .pair_arrays import PairArrays
 from .plan import Plan, domain_array
@@ -415,8 +416,7 @@ def chunk_pair_bytes(phase: Plan, chunk_of: Mapping[str, Bands], chunks: int) ->
             keys = np.flatnonzero(sums)
             sums = sums[keys]
         else:
-            keys, inv = np.unique(code, return_inverse=True)
-            sums = np.bincount(inv.reshape(-1), weights=weight)
+            keys, sums = sum_by_code(code, weight)
         pair = keys % w2
         out_src, out_dst = pair // width, pair % width
         keep = (sums > 0.5) & (out_src != out_dst)
@@ -463,8 +463,7 @@ def _family_codes(members: list, frac: np.ndarray, rotation: np.ndarray, chunks:
         ranks = np.concatenate([g.choice_rank if pick is None else g.choice_rank[pick] for g, pick in members])
         alike = (((member_of[:, None] * len(cols) + np.arange(len(cols))[None, :]) * chunks + rot[:, None]) * width
                  + ranks)
-        keys, inv = np.unique(alike.ravel(), return_inverse=True)
-        nbytes = np.bincount(inv.reshape(-1), weights=instance_bytes(cols).ravel())
+        keys, nbytes = sum_by_code(alike, instance_bytes(cols))
         src, rest = keys % width, keys // width
         rot_of, rest = rest % chunks, rest // chunks
         column, member = rest % len(cols), rest // len(cols)
