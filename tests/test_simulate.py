@@ -4,6 +4,9 @@ engines are read as stated, and setups that cannot fit say so."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import math
 from dataclasses import replace
 
@@ -127,3 +130,31 @@ def test_plan_json_with_a_topology(capsys):
     one = json.loads(capsys.readouterr().out)
     assert one["engines"] == "one deployment" and "data_parallel_size=2" in one["infer"]
     assert one["cross_domain_bytes"] < out["cross_domain_bytes"]
+
+
+SMALL_PAGES_PROBE = """
+import os
+from numpy._core.multiarray import _get_madvise_hugepage
+import reshard.apps.simulate as simulate
+from reshard.apps.cli import main
+
+def seen(cases, **options):  # what the rows would be planned under, then the refusal's path
+    print("inside", _get_madvise_hugepage(), os.environ.get("NUMPY_MADVISE_HUGEPAGE"))
+    raise ValueError("stop here")
+
+simulate.simulate_cases = seen
+assert main(["simulate", "--cases", "qwen30-h100"]) == 2
+print("after", _get_madvise_hugepage(), os.environ.get("NUMPY_MADVISE_HUGEPAGE"))
+"""
+
+
+@pytest.mark.parametrize("preset, expect", [(None, "inside False 0 after True None"),
+                                            ("1", "inside True 1 after True 1"),
+                                            ("0", "inside False 0 after False 0")])
+def test_planning_commands_turn_numpys_huge_pages_off_unless_told(preset, expect):
+    env = {k: v for k, v in os.environ.items() if k != "NUMPY_MADVISE_HUGEPAGE"}
+    if preset is not None:
+        env["NUMPY_MADVISE_HUGEPAGE"] = preset
+    out = subprocess.run([sys.executable, "-c", SMALL_PAGES_PROBE], env=env, capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert out.split() == expect.split()

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..models.arch import DEMO_MODEL, Arch, get_arch
 from ..planning.methods import AUTO, HYBRID, RESHARD
+from ..small_pages import small_pages
 from .cli_args import (DTYPES, SIZES, cap_bytes, demo_parser, output_problem, plan_parser, refit_options,
                        simulate_parser, staging_cap)
 
@@ -168,6 +169,7 @@ def _plan(args) -> int:
 def _simulate(args) -> int:
     from rich.console import Console
 
+
     from .simulate import CASES, default_jobs, plot, render, simulate_cases, to_json
 
     console = Console(width=max(Console().width, 160))
@@ -226,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         args.parser.error(_one_line(error))
     try:
+        if args.func in (_plan, _simulate):  # planning commands: numpy's arrays in small pages
+            with small_pages():
+                return args.func(args)
         return args.func(args)
     except ValueError as error:
         print(f"{args.parser.prog}: error: {_one_line(error)}", file=sys.stderr)
