@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..models.arch import DEMO_MODEL, Arch, get_arch
 from ..planning.methods import AUTO, HYBRID, RESHARD
-from ..small_pages import small_pages
+from .small_pages import small_pages
 from .cli_args import (DTYPES, SIZES, cap_bytes, demo_parser, output_problem, plan_parser, refit_options,
                        simulate_parser, staging_cap)
 
