@@ -169,7 +169,6 @@ def _plan(args) -> int:
 def _simulate(args) -> int:
     from rich.console import Console
 
-
     from .simulate import CASES, default_jobs, plot, render, simulate_cases, to_json
 
     console = Console(width=max(Console().width, 160))

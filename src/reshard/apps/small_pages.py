@@ -11,12 +11,12 @@ simulate`` row spent 7.5 of its 10 s of pipelined-traffic modeling in the kernel
 with ``NUMPY_MADVISE_HUGEPAGE`` set (``1`` keeps huge pages) nothing is changed. Worker processes
 started inside inherit the setting through the environment; both are restored on leaving.
 
-=========================  ============================================
+==========================  ==========================================
 ``NUMPY_MADVISE_HUGEPAGE``  inside ``with small_pages():``
-=========================  ============================================
-unset                      small pages, here and in workers started
-``0`` or ``1``             as numpy read it (left alone)
-=========================  ============================================
+==========================  ==========================================
+unset                       small pages, here and in workers started
+``0`` or ``1``              as numpy read it (left alone)
+==========================  ==========================================
 """
 
 from __future__ import annotations

@@ -19,8 +19,9 @@ import numpy as np
 
 
 def distinct_codes(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(distinct, inverse)`` as ``np.unique(codes, return_inverse=True)`` gives them, for 1-D
-    non-negative integer ``codes``: the distinct codes ascending, and each code's index among them."""
+    """``(distinct, inverse)`` as ``np.unique(codes.ravel(), return_inverse=True)`` gives them, for
+    integer ``codes`` (read in row order): the distinct codes ascending, each code's index among them.
+    Codes that are negative or too large to carry their position go through ``np.unique`` itself."""
     codes = np.asarray(codes).reshape(-1)
     n = len(codes)
     bits = max(n.bit_length(), 1)
