@@ -118,6 +118,7 @@ def _run_and_report(cfg, args, console) -> int:
     return 1 if failures(result) else 0
 
 
+@small_pages()  # planning commands: numpy's arrays in small pages (the workers they start too)
 def _plan(args) -> int:
     """``reshard plan``: build the report (:mod:`reshard.apps.plan_report`), then print it or its JSON."""
     import json
@@ -166,6 +167,7 @@ def _plan(args) -> int:
     return 0
 
 
+@small_pages()
 def _simulate(args) -> int:
     from rich.console import Console
 
@@ -227,9 +229,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         args.parser.error(_one_line(error))
     try:
-        if args.func in (_plan, _simulate):  # planning commands: numpy's arrays in small pages
-            with small_pages():
-                return args.func(args)
         return args.func(args)
     except ValueError as error:
         print(f"{args.parser.prog}: error: {_one_line(error)}", file=sys.stderr)
