@@ -358,6 +358,31 @@ class Layout:
         dtype = self._one_dtype(self.tables[name])
         return None if dtype is None else dtype.itemsize
 
+    def common_itemsize(self, names: Iterable[str]) -> int | None:
+        """Bytes per element of every piece of every tensor in ``names``, where :meth:`buffer_itemsize`
+        gives one size for all of them; else None. One pass without a method call per tensor (the
+        planner asks this for every geometry of a model).
+
+        >>> import torch, reshard as rs
+        >>> lay = rs.Layout.from_placements(rs.TensorSpec("w", (4,), torch.float32), [0, 1], (2,), [rs.Shard(0)])
+        >>> lay.common_itemsize(["w"])
+        4
+        """
+        if self._single_dtype is not None:
+            return self._single_dtype.itemsize
+        by_name, tables = self._dtype_by_name(), self.tables
+        found = None
+        for name in names:
+            b = tables[name].buffers
+            if type(b) is Repeated:
+                dtype = by_name.get(b.name) if b.n else None
+            else:
+                dtype = by_name.get(b[0]) if b and b.count(b[0]) == len(b) else None
+            if dtype is None or (found is not None and dtype.itemsize != found):
+                return None
+            found = dtype.itemsize
+        return found
+
     def _one_dtype(self, table: PieceTable) -> torch.dtype | None:
         """The dtype of every piece of ``table`` known without a look at the pieces: one dtype
         everywhere, or one buffer name whose dtype every rank agrees on; else None."""

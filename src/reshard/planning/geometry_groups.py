@@ -128,10 +128,7 @@ def _itemsizes(destination: Layout, names: list[str], num_pieces: int, rows: dic
     """Itemsize of every destination piece of each of ``names`` ``[1 or len(names), num_pieces]``
     (one row, often a broadcast view, where all agree); ``rows``: a dict kept over one grouping, where
     the broadcast rows of one size are made once."""
-    single = destination.single_itemsize
-    if single is None:
-        quick = {destination.buffer_itemsize(name) for name in names}
-        single = quick.pop() if len(quick) == 1 else None
+    single = destination.common_itemsize(names)
     if single is not None:  # one buffer dtype for every piece of every tensor
         if rows is None:
             return _broadcast_row(single, num_pieces)

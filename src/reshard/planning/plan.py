@@ -182,8 +182,9 @@ class Plan:
             return {}
         width = int(max(src.max(), dst.max())) + 1
         sums = np.bincount(src * width + dst, weights=nbytes, minlength=width * width)
-        keys = np.flatnonzero(sums)
-        return {(int(k) // width, int(k) % width): int(v) for k, v in zip(keys.tolist(), sums[keys].tolist())}
+        keys = np.flatnonzero(sums)  # exact: whole bytes, far below 2**53
+        pairs = zip((keys // width).tolist(), (keys % width).tolist())
+        return dict(zip(pairs, sums[keys].astype(np.int64).tolist()))
 
     @cached_property
     def wire_bytes(self) -> int:
