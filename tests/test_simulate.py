@@ -59,10 +59,22 @@ def test_independent_engines_need_the_model_once_per_engine(qwen30):
 @pytest.mark.timeout(300)  # two spawned workers import torch (seconds each on a busy machine)
 def test_rows_in_parallel_give_the_figures_of_one_process(qwen30):
     cases = [KNOWN["qwen30-h100-1dep"], KNOWN["qwen30-h100"]]
-    parallel = simulate_cases(cases, jobs=2)
+    shown = []  # each row handed over as it is done, before the call returns
+    parallel = simulate_cases(cases, jobs=2, on_result=shown.append)
     assert [r.case.key for r in parallel] == [c.key for c in cases]  # the order asked for, not the order run
     assert [to_json(r) for r in parallel] == [to_json(r) for r in reversed(qwen30)]
+    assert sorted(r.case.key for r in shown) == sorted(c.key for c in cases)
+    assert {r.case.key: to_json(r) for r in shown} == {r.case.key: to_json(r) for r in parallel}
     assert default_jobs(1) == 1 and default_jobs(100) >= 1
+
+
+def test_the_command_shows_each_row_as_it_is_done(capsys):
+    assert main(["simulate", "--cases", "qwen30-h100,qwen30-h100-1dep", "--jobs", "1", "--png", ""]) == 0
+    out = capsys.readouterr().out
+    first, second = out.index("qwen30-h100 done (1/2, "), out.index("qwen30-h100-1dep done (2/2, ")
+    table = out.index("modeled refit time")
+    assert first < second < table  # one line per row in the order they finish, then the table
+    assert "x the job's bound; gather-and-broadcast" in out[first:table]
 
 
 def test_a_setup_whose_weights_exceed_a_gpu_is_not_timed(capsys):

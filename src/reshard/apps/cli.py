@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -171,7 +172,7 @@ def _plan(args) -> int:
 def _simulate(args) -> int:
     from rich.console import Console
 
-    from .simulate import CASES, default_jobs, plot, render, simulate_cases, to_json
+    from .simulate import CASES, default_jobs, plot, progress_line, render, simulate_cases, to_json
 
     console = Console(width=max(Console().width, 160))
     keys = [k.strip() for k in args.cases.split(",") if k.strip()]
@@ -185,9 +186,16 @@ def _simulate(args) -> int:
     # --precision is not among them: it overrides each case's own destination precision (None: the case's)
     options = refit_options(AUTO, max_bucket_bytes=staging_cap(args.bucket_mb, "--bucket-mb", none=False))
     jobs = default_jobs(len(keys)) if args.jobs is None else min(args.jobs, len(keys))
+    start, done = time.perf_counter(), []
+
+    def finished(result) -> None:  # each row as it is done: the small ones show in seconds
+        done.append(result)
+        console.print(progress_line(result, len(done), len(keys), time.perf_counter() - start), highlight=False,
+                      soft_wrap=True)
+
     with console.status(f"planning and modeling {len(keys)} case(s), {jobs} at a time ..."):
         results = simulate_cases([known[key] for key in keys], jobs=jobs, max_bucket_bytes=options.max_bucket_bytes,
-                                 precision=args.precision)
+                                 precision=args.precision, on_result=finished)
     what = f"{args.precision.upper()} destination" if args.precision else "destination precision per case"
     render(results, console, f"modeled refit time (staging cap {args.bucket_mb:g} MiB per GPU; {what})")
     png = f"{args.out}/simulate.png" if args.png is None else args.png

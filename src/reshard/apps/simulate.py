@@ -46,9 +46,10 @@ from __future__ import annotations
 import multiprocessing
 import os
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -358,23 +359,48 @@ def size_hint(case: Case) -> int:
     return arch.layers * max(arch.experts, 1) * gpus * (2 if case.precision == "fp8" else 1)
 
 
-def simulate_cases(cases, *, jobs: int = 1, **options) -> list[Result]:
+def simulate_cases(cases, *, jobs: int = 1, on_result: Callable[[Result], None] | None = None,
+                   **options) -> list[Result]:
     """:func:`simulate_case` of every case (``options`` as it takes them), in up to ``jobs``
     processes at once, the biggest rows first (:func:`size_hint`); results in the order of ``cases``.
     The figures do not depend on ``jobs``: each row is planned and modeled alone, as in one process.
+    ``on_result``: called here with each row as soon as it is done (in the order they finish), so a
+    caller can show the small rows while the big ones are still planned.
 
     A worker that dies (out of memory, killed) raises ``BrokenProcessPool`` here, naming no row's
     figures as done. The workers are spawned and import the calling script: call this from under
     ``if __name__ == "__main__":`` there (``reshard simulate`` does).
     """
     cases = list(cases)
+    report = on_result or (lambda result: None)
     if jobs <= 1 or len(cases) <= 1:
-        return [simulate_case(c, **options) for c in cases]
+        results = []
+        for c in cases:
+            results.append(simulate_case(c, **options))
+            report(results[-1])
+        return results
     order = sorted(range(len(cases)), key=lambda i: -size_hint(cases[i]))
     # spawn, not fork: the parent has imported torch, whose thread pools a forked child must not inherit
     with ProcessPoolExecutor(min(jobs, len(cases)), mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = {i: pool.submit(simulate_case, cases[i], **options) for i in order}
+        for done in as_completed(futures.values()):
+            report(done.result())
         return [futures[i].result() for i in range(len(cases))]
+
+
+def progress_line(r: Result, done: int, total: int, elapsed_s: float) -> str:
+    """One line on a row just finished, for ``reshard simulate`` to print while the others run.
+
+    >>> r = Result(CASES[0], None, "does not fit: ...", 1.5)
+    >>> progress_line(r, 1, 13, 2.04)
+    'dsv3-gb200 done (1/13, 2.0 s): does not fit: ...'
+    """
+    head = f"{r.case.key} done ({done}/{total}, {elapsed_s:.1f} s)"
+    if r.figures is None:
+        return f"{head}: {r.does_not_fit}"
+    f = r.figures
+    return (f"{head}: ours {f['ours_s']:.3f} s modeled ({f['ours_over_job_bound']:.2f}x the job's bound; "
+            f"gather-and-broadcast {r.speedup():.1f}x as long)")
 
 
 def _s(v: float | None, fmt: str = ".3f") -> str:
@@ -474,5 +500,5 @@ def plot(results: list[Result], path: str | Path) -> Path:
 
 
 __all__ = ["CASES", "Case", "METHODS", "PRECISIONS", "Result", "check_precision", "default_jobs", "fit", "fp8_line",
-           "fp8_problem", "model_figures", "plot", "precision_figures", "rank_weight_bytes", "render", "simulate_case",
+           "fp8_problem", "model_figures", "plot", "precision_figures", "progress_line", "rank_weight_bytes", "render", "simulate_case",
            "simulate_cases", "size_hint", "to_json"]
