@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import reshard as rs
+from reshard.planning.rank_plan import rows_by_rank
 from reshard.tensors import Piece
 
 try:
@@ -65,6 +66,25 @@ def test_every_destination_element_is_written_exactly_once(case):
         for b, c in counts[r].items():
             assert not (want[b] > 1).any()
             assert torch.equal(c, want[b]), f"rank {r} buffer {b!r}: write counts\n{c}\nexpected\n{want[b]}"
+
+
+@PROPS
+@given(S.layout_pairs())
+def test_every_ranks_rows_made_at_once_are_the_rows_made_alone(case):
+    """A planner serving every rank makes a group's rows for all its ranks in one pass: the same rows,
+    in the same order, as one rank's part worked out alone (and none for the ranks it leaves out)."""
+    plan = rs.plan(case.source, case.destination)
+    builder = plan._rank_plans
+    for group in builder.groups:
+        at_once = rows_by_rank(group)
+        for r in S.all_ranks(plan):
+            alone = builder._rows_of(group, r)
+            got = at_once.get(r)
+            if got is None:
+                assert not len(alone.instance)
+                continue
+            for field in ("instance", "item", "piece", "src_rank"):
+                assert getattr(got, field).tolist() == getattr(alone, field).tolist(), (r, field)
 
 
 @PROPS

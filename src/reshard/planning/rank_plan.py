@@ -71,6 +71,50 @@ class RankPlan:
         return max(per_round.values(), default=0)
 
 
+def rows_by_rank(group: GeometryGroup) -> dict[int, _Rows]:
+    """Every rank's rows of ``group`` at once, each the rows :meth:`RankPlanBuilder._rows_of` gives it
+    in its order (fixed sources by instance then item, then chosen ones by instance then column); a
+    rank with none is left out. Per rank ::
+
+        fixed items 0, 1 (ranks 5->7, 6->7), two instances  ->  5: (0,0) (1,0)   6: (0,1) (1,1)
+                                                               7: (0,0) (0,1) (1,0) (1,1)
+    """
+    num_inst, num_items = len(group.tensors), len(group.items)
+    fixed = np.flatnonzero(group.choice_of < 0)
+    # (rank, item) of each fixed item's sending and receiving rank, once each, by rank then item
+    key = np.unique(np.concatenate([group.rank[fixed], group.dst_rank[fixed]]) * num_items
+                    + np.concatenate([fixed, fixed]))
+    fixed_rank, fixed_item = np.divmod(key, num_items)
+    ranks_f, start_f, count_f = np.unique(fixed_rank, return_index=True, return_counts=True)
+    # each rank's items over every instance, instance by instance
+    rows_f = count_f * num_inst
+    seg = np.repeat(np.arange(len(ranks_f)), rows_f)
+    within = np.arange(int(rows_f.sum())) - np.repeat(np.cumsum(rows_f) - rows_f, rows_f)
+    instance = within // count_f[seg]
+    item = fixed_item[start_f[seg] + within % count_f[seg]]
+    rank_of = ranks_f[seg]
+    piece, src_rank = group.piece[item], group.rank[item]
+    cols, m = group.choice_cols, len(group.choice_cols)
+    if m:
+        size = num_inst * m
+        flat = np.arange(size)
+        dst = np.broadcast_to(group.dst_rank[cols][None, :], (num_inst, m)).ravel()
+        key = np.unique(np.concatenate([group.choice_rank.ravel() * size + flat, dst * size + flat]))
+        chosen_rank, chosen = np.divmod(key, size)
+        inst, col = np.divmod(chosen, m)
+        instance = np.concatenate([instance, inst])
+        item = np.concatenate([item, cols[col]])
+        piece = np.concatenate([piece, group.choice_piece[inst, col]])
+        src_rank = np.concatenate([src_rank, group.choice_rank[inst, col]])
+        rank_of = np.concatenate([rank_of, chosen_rank])
+    order = np.argsort(rank_of, kind="stable")  # per rank: its fixed rows, then its chosen ones
+    rank_of, instance, item, piece, src_rank = (a[order] for a in (rank_of, instance, item, piece, src_rank))
+    ranks, starts = np.unique(rank_of, return_index=True)
+    bounds = [*starts.tolist(), len(rank_of)]
+    return {r: _Rows(instance[a:b], item[a:b], piece[a:b], src_rank[a:b])
+            for r, a, b in zip(ranks.tolist(), bounds[:-1], bounds[1:])}
+
+
 def _row_tuples(array: np.ndarray) -> list[tuple[int, ...]]:
     """Rows of a 2-D int array as tuples (column-wise ``tolist`` + ``zip``: the fast way)."""
     if array.shape[1] == 0:
@@ -113,6 +157,7 @@ class RankPlanBuilder:
         self.groups = groups
         self._stacked_cache: dict[int, _Stacked] = {}
         self._groups_by_rank: dict[int, list[int]] | None = None
+        self._pending_rows: dict[int, dict[int, _Rows]] = {}  # per group: the rows of ranks not yet built
         self._built_one = False
 
     def build(self, rank: int, quotas: Callable[[], Quotas]) -> RankPlan:
@@ -122,9 +167,10 @@ class RankPlanBuilder:
         out = RankPlan(rank)
         remote_copies: list[Copy] = []  # remote copies of every group, then sorted into streams
         keys: list[tuple[np.ndarray, ...]] = []
+        every_rank = self._groups_by_rank is not None  # parts of several ranks asked for: rows made per group
         for index in self._groups_of(rank):
             group = self.groups[index]
-            rows = self._rows_of(group, rank)
+            rows = self._rows_taken(index, rank) if every_rank else self._rows_of(group, rank)
             if not len(rows.instance):
                 continue
             copies = self._group_copies(group, rows.instance, rows.item, rows.piece)
@@ -167,6 +213,16 @@ class RankPlanBuilder:
             groups = (chunk.tolist() for chunk in np.split(owner, cut))
             self._groups_by_rank = dict(zip(ranks[starts].tolist(), groups))
         return self._groups_by_rank.get(rank, [])
+
+    def _rows_taken(self, index: int, rank: int) -> _Rows:
+        """:meth:`_rows_of` for ``rank``, out of every rank's rows of group ``index`` made at its first
+        visit (:func:`rows_by_rank`), each handed out once and then dropped (a rank asked for again, or
+        one with no rows, is worked out alone)."""
+        pending = self._pending_rows.get(index)
+        if pending is None:
+            pending = self._pending_rows[index] = rows_by_rank(self.groups[index])
+        rows = pending.pop(rank, None)
+        return rows if rows is not None else self._rows_of(self.groups[index], rank)
 
     @staticmethod
     def _rows_of(group: GeometryGroup, rank: int) -> _Rows:
