@@ -373,11 +373,8 @@ class Layout:
         by_name, tables = self._dtype_by_name(), self.tables
         found = None
         for name in names:
-            b = tables[name].buffers
-            if type(b) is Repeated:
-                dtype = by_name.get(b.name) if b.n else None
-            else:
-                dtype = by_name.get(b[0]) if b and b.count(b[0]) == len(b) else None
+            one = tables[name].one_buffer()
+            dtype = None if one is None else by_name.get(one)
             if dtype is None or (found is not None and dtype.itemsize != found):
                 return None
             found = dtype.itemsize

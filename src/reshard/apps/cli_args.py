@@ -351,9 +351,9 @@ def simulate_parser(sub) -> argparse.ArgumentParser:
             "as not fitting. The Kimi-K2 rows refit FSDP2 BF16 training into FP8 engines, as published "
             "(--precision sets every row's destination precision). Pure computation: no process group, no GPU. "
             "Every case takes about 60-90 s on a 2-core machine with the default --jobs, depending on the "
-            "host's load (its rows 120-170 s one after another), the 2.4 T-parameter MoE's three rows and kimi-h100 most of it; each row "
-            "prints a line as soon as it is done (the small ones within seconds), the table follows; --cases "
-            "picks rows."),
+            "host's load (its rows 120-170 s one after another), the 2.4 T-parameter MoE's three rows and "
+            "kimi-h100 most of it; each row prints a line as soon as it is done (the small ones within "
+            "seconds), the table follows; --cases picks rows."),
     )
     parser.add_argument("--cases", default=",".join(c.key for c in CASES),
                    help="comma-separated, from: " + ", ".join(c.key for c in CASES) + " (default: all)")

@@ -500,5 +500,5 @@ def plot(results: list[Result], path: str | Path) -> Path:
 
 
 __all__ = ["CASES", "Case", "METHODS", "PRECISIONS", "Result", "check_precision", "default_jobs", "fit", "fp8_line",
-           "fp8_problem", "model_figures", "plot", "precision_figures", "progress_line", "rank_weight_bytes", "render", "simulate_case",
-           "simulate_cases", "size_hint", "to_json"]
+           "fp8_problem", "model_figures", "plot", "precision_figures", "progress_line", "rank_weight_bytes", "render",
+           "simulate_case", "simulate_cases", "size_hint", "to_json"]
