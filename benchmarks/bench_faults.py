@@ -3,7 +3,8 @@
 Run from the repository root (about 3 s a scenario on a 2-core machine)::
 
     python benchmarks/bench_faults.py [--scenarios 200] [--seed 0] [--timeout 2] [--precision fp8]
-                                      [--overlap mixed|none|staged|trainer|both] [--json out.json]
+                                      [--overlap mixed|none|staged|trainer|both]
+                                      [--method reshard|gather-broadcast|hybrid|mixed] [--json out.json]
 
 Each scenario is a refit between random small layouts over a standalone gloo group, with a
 ``kill``, ``stall``, ``raise`` or ``corrupt`` fault at a random rank and point (connect,
@@ -33,12 +34,15 @@ import json
 import random
 import sys
 import time
+from dataclasses import replace
 
 from rich.console import Console
 from rich.progress import Progress
 
 from reshard.apps.fault_scenarios import OVERLAPS, family_figures, missed, print_families, print_figures
 from reshard.apps.fault_suite import Driver, random_scenario, summary
+
+METHODS = ("reshard", "gather-broadcast", "hybrid")  # the methods a session runs that the suite draws from
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="fp8: refit into block-FP8 engines (a dtype policy), faults while quantizing too")
     ap.add_argument("--overlap", choices=["mixed", "none", "staged", "trainer", "both"], default="mixed",
                     help="how each refit overlaps other work (module doc); mixed: each scenario drawn one of the four")
+    ap.add_argument("--method", choices=[*METHODS, "mixed"], default="reshard",
+                    help="the refit method of every scenario (mixed: each scenario's drawn apart from the rest)")
     ap.add_argument("--json", help="write every scenario's outcome here")
     args = ap.parse_args(argv)
     if args.scenarios < 1 or not 0 < args.timeout <= 600:
@@ -57,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     rng = random.Random(args.seed)
     families = random.Random(f"families {args.seed}")  # apart from rng: the scenarios are those of --overlap none
+    methods = random.Random(f"methods {args.seed}")  # apart from both: the same scenarios under every --method
     driver = Driver(workers=5)
     outcomes = []
     start = time.time()
@@ -67,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
                 s = random_scenario(i, rng, args.timeout, precision=args.precision == "fp8")
                 overlap = families.choice(OVERLAPS) if args.overlap == "mixed" else \
                     "" if args.overlap == "none" else args.overlap
-                s = s.in_family(overlap)
+                s = replace(s.in_family(overlap),
+                            method=methods.choice(METHODS) if args.method == "mixed" else args.method)
                 o = driver.run(s)
                 outcomes.append(o)
                 if (o.hung or o.silent or o.torn or missed(o) or o.notes

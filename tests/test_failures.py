@@ -83,6 +83,24 @@ def test_corruption_without_checksum_is_what_the_checksum_catches():
         driver.close()
 
 
+@pytest.mark.parametrize("method", ["gather-broadcast", "hybrid"])
+def test_an_engine_failing_to_quantize_is_heard_at_once_by_every_method(method):
+    """Into an FP8 engine in tensor groups, by a method with a broadcast subgroup per group: the engine
+    fails quantizing one group while the root already broadcasts the next. Every rank hears at once,
+    not when the timeout (20 s here) runs out: each group's broadcast subgroup is broken, not only the
+    failing group's."""
+    timeout_s = 20.0
+    s = Scenario(0, 12, 2, 1, "raise@quantize at destination", 2, checksum=False, timeout_s=timeout_s,
+                 bucket_bytes=512, precision=True, method=method)
+    driver = Driver(workers=3)
+    try:
+        o = driver.run(s)
+    finally:
+        driver.close()
+    assert o.fired and not o.hung and o.result == "recovered", (s.describe(), o.result)
+    assert o.detection_s is not None and o.detection_s < timeout_s / 4, (s.describe(), o.detection_s)
+
+
 # ---------------------------------------------------------------------------- checks before bytes move
 def _prechecks(rank, world):
     spec = rs.TensorSpec("w", (4, 6), torch.float32)

@@ -61,6 +61,7 @@ class Scenario:
     bucket_bytes: int
     first_fault_rank: int | None = None  # a "recovery" scenario: this rank raises first, to start a recovery
     precision: bool = False  # into FP8 engines (gloo suite)
+    method: str = "reshard"  # the refit method the session runs (gloo suite)
     # the family (module doc): "" (blocking) here; an OverlapScenario's field, so that a blocking scenario's
     # fields (its records, its pickles) are what they were before families came
     overlap: ClassVar[str] = ""
@@ -107,7 +108,8 @@ class Scenario:
         role = f" ({side})" if side else ""
         return (f"#{self.index} {self.sources}->{self.destinations} {self.fault or 'no fault'} on rank "
                 f"{self.fault_rank}{role}{first}{' checksum' if self.checksum else ''}"
-                f"{' fp8' if self.precision else ''}{f' ({self.family})' if self.overlap else ''}")
+                f"{' fp8' if self.precision else ''}{f' ({self.family})' if self.overlap else ''}"
+                f"{f' by {self.method}' if self.method != 'reshard' else ''}")
 
 
 @dataclass(frozen=True)

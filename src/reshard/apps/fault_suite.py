@@ -263,7 +263,7 @@ def run_rank(s: Scenario, rank: int, store_addr: str) -> dict:
     session = None
     try:
         session = RefitSession.connect(source=source, destination=destination, store_addr=store_addr, rank=rank,
-                                       world_size=s.world, timeout=timeout, host_store=False, method="reshard",
+                                       world_size=s.world, timeout=timeout, host_store=False, method=s.method,
                                        checksum=s.checksum, max_bucket_bytes=s.bucket_bytes,
                                        member=f"rank{rank}", precision=fp8_policy() if s.precision else None,
                                        receive="staged" if s.staged else "in-place")

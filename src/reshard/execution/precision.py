@@ -261,7 +261,15 @@ class PrecisionExecutor(Executor):
             assembler.close()
 
     def fail(self, error: RefitError) -> RefitError:
-        return (self._current or self).wire.fail(error)
+        """Break what any step may wait on, on every rank: the group and each tensor group's wire (a
+        gather-and-broadcast wire has a broadcast subgroup of its own per tensor group, and a peer may
+        already wait in a later group's broadcast while this rank fails in an earlier one's quantize)."""
+        if not self.children:
+            return self.wire.fail(error)
+        first = self.children[0].fail(error)  # the group's abort signal: the first failure stands
+        for child in self.children[1:]:
+            child.fail(first)
+        return first
 
     # ------------------------------------------------------------------ checks
     def buffers_used(self) -> tuple[set[str], set[str]]:
