@@ -34,7 +34,6 @@ import json
 import random
 import sys
 import time
-from dataclasses import replace
 
 from rich.console import Console
 from rich.progress import Progress
@@ -71,11 +70,11 @@ def main(argv: list[str] | None = None) -> int:
         with Progress(console=console, transient=True) as progress:
             task = progress.add_task("scenarios", total=args.scenarios)
             for i in range(args.scenarios):
-                s = random_scenario(i, rng, args.timeout, precision=args.precision == "fp8")
+                method = methods.choice(METHODS) if args.method == "mixed" else args.method
+                s = random_scenario(i, rng, args.timeout, precision=args.precision == "fp8", method=method)
                 overlap = families.choice(OVERLAPS) if args.overlap == "mixed" else \
                     "" if args.overlap == "none" else args.overlap
-                s = replace(s.in_family(overlap),
-                            method=methods.choice(METHODS) if args.method == "mixed" else args.method)
+                s = s.in_family(overlap)
                 o = driver.run(s)
                 outcomes.append(o)
                 if (o.hung or o.silent or o.torn or missed(o) or o.notes

@@ -57,6 +57,7 @@ from ..execution.control import RefitError
 from ..execution.process_group import free_port
 from ..layout import Layout
 from ..placements import Replicate, Shard
+from ..planning.methods import METHODS
 from ..planning.precision import KEEP, DtypePolicy, FP8Block, precision_layout
 from ..quant import FP8_DTYPE, SCALE_SUFFIX, quantize_blocks
 from ..refit.background import RefitHandle
@@ -71,9 +72,12 @@ FP8_POINTS = POINTS + ("quantize at source", "quantize at destination")
 FP8_BLOCK = (4, 4)
 
 
-def random_scenario(index: int, rng: random.Random, timeout_s: float = 2.0, precision: bool = False) -> Scenario:
+def random_scenario(index: int, rng: random.Random, timeout_s: float = 2.0, precision: bool = False,
+                    method: str = "reshard") -> Scenario:
     """A random scenario: 1-2 sources, 1-3 destinations, a random fault kind, rank and point (FP8
-    engines when ``precision``)."""
+    engines when ``precision``), refitted by ``method``. A method that takes no checksum (gather-broadcast)
+    cannot catch a corrupted byte: its ``corrupt`` faults become ``raise`` faults at the same point, and
+    the draws stay those of the other methods."""
     sources, destinations = rng.randint(1, 2), rng.randint(1, 3)
     world = sources + destinations
     kind, point = rng.choice(KINDS), rng.choice(FP8_POINTS if precision else POINTS)
@@ -84,9 +88,13 @@ def random_scenario(index: int, rng: random.Random, timeout_s: float = 2.0, prec
     first = None
     if point == "recovery":
         first = rng.choice([r for r in range(world) if r != fault_rank])
-    return Scenario(index, rng.randrange(1 << 30), sources, destinations, f"{kind}@{where}", fault_rank,
-                    checksum=kind == "corrupt" or rng.random() < 0.5, timeout_s=timeout_s,
-                    bucket_bytes=rng.choice([512, 2048, 1 << 20]), first_fault_rank=first, precision=precision)
+    seed = rng.randrange(1 << 30)
+    checksum = kind == "corrupt" or rng.random() < 0.5
+    if "checksum" not in METHODS[method].takes:
+        kind, checksum = "raise" if kind == "corrupt" else kind, False
+    return Scenario(index, seed, sources, destinations, f"{kind}@{where}", fault_rank, checksum=checksum,
+                    timeout_s=timeout_s, bucket_bytes=rng.choice([512, 2048, 1 << 20]), first_fault_rank=first,
+                    precision=precision, method=method)
 
 
 # ---------------------------------------------------------------------------- layouts and values
