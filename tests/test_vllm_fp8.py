@@ -43,6 +43,7 @@ FP8 MoE kernel itself varies from run to run (fresh engines measured -4.88958 / 
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -52,6 +53,7 @@ from reshard.options import RefitOptions
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROMPTS = ["hello world", "the quick brown fox"]
+TIMEOUT_S = 300  # the refit timeout of the dense test: a failure must be heard long before it
 
 
 def test_engine_precision_reads_the_policy_from_the_quantization_config(tmp_path):
@@ -170,7 +172,8 @@ def test_bf16_trainer_refits_block_fp8_engine_bit_equal_to_fresh_fp8_loads(tmp_p
     def info(precision, **options):
         return ReshardTrainerInitInfo(rank=0, master_address="127.0.0.1", master_port=free_port(),
                                       num_trainer_ranks=1, world_size=1 + tp,
-                                      options=RefitOptions(timeout=300, max_bucket_bytes=1 << 20, precision=precision,
+                                      options=RefitOptions(timeout=TIMEOUT_S, max_bucket_bytes=1 << 20,
+                                                           precision=precision,
                                                            **options))
 
     with reap_engine_processes():
@@ -206,12 +209,16 @@ def test_bf16_trainer_refits_block_fp8_engine_bit_equal_to_fresh_fp8_loads(tmp_p
                     faults.arm(fault)
                 else:
                     llm.collective_rpc(arm_fault, args=(fault,))
+                start = time.monotonic()
                 try:
                     with pytest.raises(RefitError, match=fault.partition("@")[2]):
                         engine.send_weights(weight_version=failed)
                 finally:
                     faults.arm(None)
                     llm.collective_rpc(arm_fault, args=(None,))
+                # heard at once, not when the timeout runs out (every tensor group's broadcast subgroup is broken)
+                heard = time.monotonic() - start
+                assert heard < TIMEOUT_S / 4, f"{fault}: heard only after {heard:.0f} s"
                 states = _states(llm)
                 assert [s["state"] for s in states] == ["poisoned"] * tp, states
                 assert {s["failed_version"] for s in states} == {failed} and "InjectedFault" in states[0]["error"]
