@@ -4,7 +4,7 @@ Run from the repository root (about 3 s a scenario on a 2-core machine)::
 
     python benchmarks/bench_faults.py [--scenarios 200] [--seed 0] [--timeout 2] [--precision fp8]
                                       [--overlap mixed|none|staged|trainer|both]
-                                      [--method reshard|gather-broadcast|hybrid|mixed] [--json out.json]
+                                      [--method reshard|hybrid|gather-broadcast|mixed] [--json out.json]
 
 Each scenario is a refit between random small layouts over a standalone gloo group, with a
 ``kill``, ``stall``, ``raise`` or ``corrupt`` fault at a random rank and point (connect,
@@ -39,9 +39,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from reshard.apps.fault_scenarios import OVERLAPS, family_figures, missed, print_families, print_figures
-from reshard.apps.fault_suite import Driver, random_scenario, summary
-
-METHODS = ("reshard", "gather-broadcast", "hybrid")  # the methods a session runs that the suite draws from
+from reshard.apps.fault_suite import SCENARIO_METHODS, Driver, random_scenario, summary
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="fp8: refit into block-FP8 engines (a dtype policy), faults while quantizing too")
     ap.add_argument("--overlap", choices=["mixed", "none", "staged", "trainer", "both"], default="mixed",
                     help="how each refit overlaps other work (module doc); mixed: each scenario drawn one of the four")
-    ap.add_argument("--method", choices=[*METHODS, "mixed"], default="reshard",
+    ap.add_argument("--method", choices=[*SCENARIO_METHODS, "mixed"], default="reshard",
                     help="the refit method of every scenario (mixed: each scenario's drawn apart from the rest)")
     ap.add_argument("--json", help="write every scenario's outcome here")
     args = ap.parse_args(argv)
@@ -70,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         with Progress(console=console, transient=True) as progress:
             task = progress.add_task("scenarios", total=args.scenarios)
             for i in range(args.scenarios):
-                method = methods.choice(METHODS) if args.method == "mixed" else args.method
+                method = methods.choice(SCENARIO_METHODS) if args.method == "mixed" else args.method
                 s = random_scenario(i, rng, args.timeout, precision=args.precision == "fp8", method=method)
                 overlap = families.choice(OVERLAPS) if args.overlap == "mixed" else \
                     "" if args.overlap == "none" else args.overlap

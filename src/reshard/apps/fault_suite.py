@@ -67,6 +67,8 @@ from ..refit.states import DestinationState
 from ..tensors import TensorSpec, box_slices, buffer_view
 from .fault_scenarios import KINDS, Outcome, Scenario, summary
 
+# the methods a scenario can refit by: those needing no option the suite does not give (hierarchical needs domains)
+SCENARIO_METHODS = tuple(name for name, method in METHODS.items() if not method.needs)
 POINTS = ("connect", "agreement", "round", "commit", "recovery")
 FP8_POINTS = POINTS + ("quantize at source", "quantize at destination")
 FP8_BLOCK = (4, 4)
@@ -489,5 +491,5 @@ def _classify(s: Scenario, reports: dict[int, dict]) -> str:
     return "recovery failed"
 
 
-__all__ = ["READY_TIMEOUT_S", "Driver", "Outcome", "Scenario", "WorkerNotReady", "engine_layout", "fp8_policy",
-           "holds_version", "random_scenario", "rank_buffers", "run_rank", "scenario_layouts", "summary"]
+__all__ = ["READY_TIMEOUT_S", "SCENARIO_METHODS", "Driver", "Outcome", "Scenario", "WorkerNotReady", "engine_layout",
+           "fp8_policy", "holds_version", "random_scenario", "rank_buffers", "run_rank", "scenario_layouts", "summary"]
