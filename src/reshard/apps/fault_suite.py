@@ -33,7 +33,9 @@ starts before every worker says it is ready), bounds each scenario, and judges i
 :class:`~reshard.apps.fault_scenarios.Outcome` (the model the vLLM suite shares): hangs (a live
 rank that never reported), silent corruptions (a committed destination whose bytes are wrong),
 torn models reported as committed, time to detection (fault -> the last live rank raising), time
-to recover (detection -> the next refit committed).
+to recover (detection -> the next refit committed). Events carry ``time.monotonic()``: Linux's
+``CLOCK_MONOTONIC`` is one clock for every process of the host and, unlike the wall clock, never
+steps, so a duration between two ranks' events is a duration.
 
     python benchmarks/bench_faults.py --scenarios 200
 """
@@ -250,7 +252,7 @@ def run_rank(s: Scenario, rank: int, store_addr: str) -> dict:
            "served": 0, "guard_waits": 0, "guard_broken": 0, "notes": []}
 
     def fired(point: str) -> None:
-        store.set(f"fault/{rank}", repr(time.time()))
+        store.set(f"fault/{rank}", repr(time.monotonic()))
 
     fault = s.fault if rank == s.fault_rank else None
     if s.first_fault_rank == rank:
@@ -278,11 +280,11 @@ def run_rank(s: Scenario, rank: int, store_addr: str) -> dict:
                                        member=f"rank{rank}", precision=fp8_policy() if s.precision else None,
                                        receive="staged" if s.staged else "in-place")
         _refit(s, session, 1, out, trainer=trainer, serving=serving)
-        out["events"].append(("committed", 1, time.time()))
+        out["events"].append(("committed", 1, time.monotonic()))
         _check(out, held, rank, dst_buffers, 1, destination)
         return out
     except RefitError as e:
-        out["events"].append(("error", e.phase, list(e.ranks), str(e)[:300], time.time()))
+        out["events"].append(("error", e.phase, list(e.ranks), str(e)[:300], time.monotonic()))
         if destination is not None and session is not None:
             state, previous = session.state, session.version or 0
             whole = state == DestinationState.READY and holds_version(held, rank, dst_buffers, previous)
@@ -307,11 +309,11 @@ def run_rank(s: Scenario, rank: int, store_addr: str) -> dict:
             for t in recovered.source.tensors.values():
                 t.add_(STEP)  # version 1 -> version 2 (a trainer in flight took its step already)
         _refit(s, recovered, 2, out, serving=serving)
-        out["events"].append(("recovered", recovered.group.size, time.time()))
+        out["events"].append(("recovered", recovered.group.size, time.monotonic()))
         _check(out, held, rank, dst_buffers, 2, recovered.destination)
         recovered.close()
     except RefitError as e:
-        out["events"].append(("recovery failed", e.phase, list(e.ranks), str(e)[:300], time.time()))
+        out["events"].append(("recovery failed", e.phase, list(e.ranks), str(e)[:300], time.monotonic()))
     return out
 
 
@@ -402,10 +404,10 @@ class Driver:
                               wait_for_workers=False)
         for rank in range(s.world):
             self.pool[rank][1].put((self.runs, s, rank, f"127.0.0.1:{port}"))
-        deadline = time.time() + 12 * s.timeout_s + 30
+        deadline = time.monotonic() + 12 * s.timeout_s + 30
         reports: dict[int, dict] = {}
         lost = {s.fault_rank} if s.kind in ("kill", "stall") else set()
-        while len(reports) < s.world and time.time() < deadline:
+        while len(reports) < s.world and time.monotonic() < deadline:
             missing = [r for r in range(s.world) if r not in reports]
             if all(r in lost for r in missing) and self._fault_fired(store, s):
                 break  # the killed or stalled rank will not report

@@ -166,7 +166,7 @@ class EngineDriver:
             rig.rpc(worker_arm, s.fault_rank, s.fault, rig.stall_s, fire_file)
         elif side == "trainer 0":
             os.environ["RESHARD_FAULT_STALL_S"] = str(rig.stall_s)
-            faults.arm(s.fault, on_fire=lambda point: fired.append(time.time()))
+            faults.arm(s.fault, on_fire=lambda point: fired.append(time.monotonic()))
 
     def _attempt(self, s: Scenario, rng: random.Random, o: Outcome) -> Attempt:
         """The trainer to another state, a refit to a new version with the fault armed, the fault disarmed."""
@@ -184,7 +184,7 @@ class EngineDriver:
         before = rig.transfer_states()
         self._arm(s, fire_file, main_fired)
         rig.child.send("refit", version, s.fault if side == "trainer 1" else None, rig.stall_s, s.in_flight)
-        start = time.time()
+        start = time.monotonic()
         # rank 0 may also wait for the engine's calls: the grace for its update call, twice that to gate it
         limit = 3 * rig.timeout_s + rig.stall_s + 3 * rig.engine.grace_s + 30
         session = rig.engine.session
@@ -419,9 +419,9 @@ def play(driver: EngineDriver, rng: random.Random, scenarios: int, engine_kills:
         overlap = families.choice(overlaps) if len(overlaps) > 1 else overlaps[0]
         s = random_scenario(index, rng, rig.tp, rounds, send_rounds, kinds, engine_kill=index in engine_kills,
                             checksum=rig.checksum, timeout_s=rig.timeout_s, overlap=overlap)
-        start = time.time()
+        start = time.monotonic()
         o = driver.run_guarded(s, rng)
-        yield o, time.time() - start
+        yield o, time.monotonic() - start
         if o.hung or o.result.startswith("harness error"):
             return
 

@@ -90,7 +90,7 @@ def worker_arm(worker, rank: int, fault: str | None, stall_s: float, fire_file: 
 
     def fired(point: str) -> None:
         with open(fire_file, "w") as f:
-            f.write(repr(time.time()))
+            f.write(repr(time.monotonic()))
 
     faults.arm(fault, on_fire=fired)
     return True
@@ -127,7 +127,7 @@ def trainer_child(conn, ckpt: str, workers: int, timeout_s: float, checksum: boo
     step()  # the optimizer's lazy imports (seconds) now, not inside a refit's timeout
     set_state(model, base, 0)
     engine = None
-    conn.send(("ready", time.time(), None, None, (), {}))
+    conn.send(("ready", time.monotonic(), None, None, (), {}))
     while True:
         op, *args = conn.recv()
         fired_at: list[float] = []
@@ -148,14 +148,14 @@ def trainer_child(conn, ckpt: str, workers: int, timeout_s: float, checksum: boo
             elif op == "refit":
                 version, fault, stall_s, *in_flight = args
                 os.environ["RESHARD_FAULT_STALL_S"] = str(stall_s)
-                faults.arm(fault, on_fire=lambda point: fired_at.append(time.time()))
+                faults.arm(fault, on_fire=lambda point: fired_at.append(time.monotonic()))
                 if in_flight and in_flight[0]:
                     guard = send_in_flight(engine, step, version)
                 else:
                     engine.send_weights(weight_version=version)
-            conn.send(("ok", time.time(), fired_at[0] if fired_at else None, None, (), guard))
+            conn.send(("ok", time.monotonic(), fired_at[0] if fired_at else None, None, (), guard))
         except Exception as e:  # noqa: BLE001 - reported to the driver
-            conn.send(("error", time.time(), fired_at[0] if fired_at else None,
+            conn.send(("error", time.monotonic(), fired_at[0] if fired_at else None,
                        f"{type(e).__name__}: {getattr(e, 'phase', '')}: {str(e)[:200]}",
                        tuple(getattr(e, "ranks", ())), getattr(e, "guard", guard)))
         finally:

@@ -114,9 +114,9 @@ class EngineRig:
         """``(result, exception, finished at)`` of ``fn``; raises :class:`Hang` (naming ``ranks``) past ``seconds``."""
         def call():
             try:
-                return fn(*args, **kwargs), None, time.time()
+                return fn(*args, **kwargs), None, time.monotonic()
             except Exception as e:  # noqa: BLE001 - the caller judges it
-                return None, e, time.time()
+                return None, e, time.monotonic()
 
         try:
             return self.pool.submit(call).result(timeout=seconds)
