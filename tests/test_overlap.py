@@ -209,21 +209,28 @@ def test_staging_over_its_bound_is_refused_at_connect_on_every_rank():
     launch(_staging_bound, [1, 1])
 
 
-@pytest.mark.parametrize("notes, moved", [({1: False, 2: False}, False), ({1: False, 2: True}, True),
-                                          ({1: False}, True)], ids=["none wrote", "one wrote", "one silent"])
-def test_a_failed_refit_moved_bytes_only_if_a_destination_says_it_wrote(notes, moved):
+@pytest.mark.parametrize("notes, reported, moved", [
+    ({1: False, 2: False}, [0, 1, 2], False), ({1: False, 2: True}, [0, 1, 2], True), ({1: False}, [0, 1, 2], True),
+    ({1: False, 2: False}, [0, 1], False), ({1: False}, [0, 1], True)],
+    ids=["none wrote", "one wrote", "one silent", "one unreported, noted", "one unreported, silent"])
+def test_a_failed_refit_moved_bytes_only_if_a_destination_says_it_wrote(notes, reported, moved):
     """A source rank that got past the agreement alone (the others gave up there) moved no destination
-    byte: ``moved`` follows the destinations' own notes; one that posts none counts as written."""
+    byte: ``moved`` follows the destinations' own notes; one that posts none counts as written. Only
+    the destinations that reported to the decision are waited for; the others' notes are looked up
+    once (a killed destination must not hold every rank's error up)."""
     from types import SimpleNamespace
 
     from reshard.options import RefitOptions
+    from reshard.refit.session import MOVED_NOTE_WAIT_S
 
     asked = []
-    control = SimpleNamespace(notes=lambda key, ranks, timeout: (asked.append((key, list(ranks))),
-                                                                   {r: notes[r] for r in ranks if r in notes})[1])
+    control = SimpleNamespace(reported=lambda n: (asked.append(("reported", n)), reported)[1],
+                              notes=lambda key, ranks, timeout: (asked.append((key, list(ranks), timeout)),
+                                                                 {r: notes[r] for r in ranks if r in notes})[1])
     session = SimpleNamespace(options=RefitOptions(), group=SimpleNamespace(control=control),
                               members={0: (None, "ready", False), 1: (None, "ready", True), 2: (None, "ready", True)})
     touched = SimpleNamespace(touched=True)
     assert RefitSession._moved(session, touched, 7) is moved
-    assert asked == [("written/7", [1, 2])]
+    assert asked == [("reported", 7), ("written/7", [r for r in (1, 2) if r in reported], MOVED_NOTE_WAIT_S),
+                     ("written/7", [r for r in (1, 2) if r not in reported], 0.0)]
     assert RefitSession._moved(session, SimpleNamespace(touched=False), 7) is False  # never got past agreement

@@ -1,7 +1,7 @@
 """Fault injection over real processes: does every failure reach every rank, and is no torn model served?
 
 Each scenario is a refit between two random small layouts (M source ranks -> N destination ranks,
-1-3 tensors, shards and replicas, several rounds) over a standalone gloo group whose TCP store
+1-3 tensors, shards and replicas, several rounds; :data:`TENSOR_NAMES`) over a standalone gloo group whose TCP store
 the driver hosts, with one fault (:mod:`reshard.execution.faults`) at one rank and one point:
 connect, agreement, a round, commit, or the recovery that follows another failure. An FP8
 scenario (``precision=True``) refits into FP8 engines under a dtype policy (block FP8 on 4 x 4
@@ -102,8 +102,15 @@ def random_scenario(index: int, rng: random.Random, timeout_s: float = 2.0, prec
 
 
 # ---------------------------------------------------------------------------- layouts and values
+# The scenarios' tensors, in the order drawn: the first is one the hybrid's default rule moves by
+# reshard (an FFN projection), the others go by its broadcast part; so a hybrid scenario of one
+# tensor is all reshard part, and one of two or three tensors runs both parts, a fault striking
+# either. ``t2`` stays unquantized in FP8 scenarios (:func:`fp8_policy`).
+TENSOR_NAMES = ("t0.up_proj.weight", "t1", "t2")
+
+
 def scenario_layouts(s: Scenario) -> tuple[Layout, Layout]:
-    """Random small source and destination layouts of 1-3 tensors (float32)."""
+    """Random small source and destination layouts of 1-3 tensors (float32, :data:`TENSOR_NAMES`)."""
     rng = random.Random(s.seed)
     src_ranks = list(range(s.sources))
     dst_ranks = list(range(s.sources, s.world))
@@ -115,7 +122,7 @@ def scenario_layouts(s: Scenario) -> tuple[Layout, Layout]:
         # by two sources (blocks quantized at the destination)
         shape = (tuple(b * s.destinations * rng.choice([1, 3]) for b in FP8_BLOCK) if s.precision
                  else (rng.randint(4, 40), rng.randint(4, 24)))
-        spec = TensorSpec(f"t{i}", shape, torch.float32)
+        spec = TensorSpec(TENSOR_NAMES[i], shape, torch.float32)
         src.append(Layout.from_placements(spec, src_ranks, (len(src_ranks),),
                                           [Replicate() if replicated else _placement(rng)]))
         dst.append(Layout.from_placements(spec, dst_ranks, (len(dst_ranks),), [_placement(rng)]))

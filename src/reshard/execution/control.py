@@ -223,6 +223,11 @@ class Control:
         if verdict is not None:
             raise verdict
 
+    def reported(self, n: int) -> list[int]:
+        """The ranks that posted their outcome of decision ``n`` (:meth:`decide`): whatever a rank
+        posted before deciding is in the store too."""
+        return [r for r in range(self.size) if self.store.check([f"o/{n}/{r}"])]
+
     def _forget(self, n: int) -> None:
         """Delete the keys every rank is done with, so that the store does not grow refit after refit:
         every rank posted decision ``n``, so each finished the gathers before it and read decision

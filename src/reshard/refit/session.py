@@ -335,14 +335,21 @@ class RefitSession(MembershipChanges):
         ``receive="staged"`` (the same option on every rank); else not if this rank's executor never
         got past the agreement, nor if every destination rank says it wrote nothing (its note for
         ``decision``: a source that went on alone, after the others gave up at the agreement, moved
-        no destination byte); a destination rank that posted no note in time counts as written."""
+        no destination byte); a destination rank that posted no note in time counts as written. Only
+        the notes of ranks that reported to the decision are waited for (each posted its note before
+        it decided); one that did not report (dead, stalled) is looked up once, not waited for: a
+        killed destination must not add ``MOVED_NOTE_WAIT_S`` to every rank's failure."""
         if not executor.touched or self.options.receive == STAGED:
             return False
         if decision is None:
             return True
         destinations = [rank for rank, (_, _, has_dst) in self.members.items() if has_dst]
+        key = f"written/{decision}"
         try:
-            notes = self.group.control.notes(f"written/{decision}", destinations, timeout=MOVED_NOTE_WAIT_S)
+            control = self.group.control
+            reported = set(control.reported(decision))
+            notes = control.notes(key, [r for r in destinations if r in reported], timeout=MOVED_NOTE_WAIT_S)
+            notes.update(control.notes(key, [r for r in destinations if r not in reported], timeout=0.0))
         except Exception:  # noqa: BLE001 - the store is gone: assume the worst
             return True
         return len(notes) < len(destinations) or any(notes.values())
