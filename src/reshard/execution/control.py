@@ -12,6 +12,10 @@ signal, so a failure anywhere reaches every rank as a :class:`RefitError`:
     decide(error)        o/<n>/<rank>, v/<n> (first rank in   the missing ranks are at fault
                          decides)
 
+A rank these waits miss is probed when the group knows its liveness address
+(:mod:`reshard.execution.liveness`: groups connected through a store): a dead one is named at once,
+not at the timeout (a gather raises; a decision counts it as reported failed).
+
 ``<n>`` counts the gathers (or the decisions) of the group: every rank makes the same ones in the
 same order (they are collective); decisions have their own count, since a rank that failed may
 skip a gather but still takes part in the decision that follows. Example, a rank that never shows up::
@@ -30,10 +34,13 @@ from typing import Sequence
 import torch.distributed as dist
 
 from ..errors import ReshardError
+from .liveness import probe
 
 _POLL_START_S = 50e-6
 _POLL_MAX_S = 5e-3
 _ABORT_EVERY_S = 5e-3
+_PROBE_EVERY_S = 0.25  # liveness probes of the ranks a wait misses, at most this often
+_PROBES_PER_CHECK = 8  # ... and at most this many ranks at a time (each probe takes up to 0.1 s)
 
 
 class RefitError(ReshardError, RuntimeError):
@@ -86,6 +93,10 @@ class Control:
         self.decisions = 0
         self._forgotten = 0  # gathers whose keys are deleted
         self._abort_checked = 0.0
+        self.addresses: dict[int, str] = {}  # rank -> its liveness address (Group.connect); none: no probes
+        self.gone: set[int] = set()  # ranks whose process a probe found dead
+        self._probed = 0.0
+        self._probe_turn = 0
 
     def _next(self) -> int:
         self.ops += 1
@@ -116,6 +127,26 @@ class Control:
         if error is not None:
             raise error
 
+    # ------------------------------------------------------------------ liveness
+    def probe_due(self) -> bool:
+        """Whether :meth:`gone_among` would probe now (ranks have addresses; none probed lately)."""
+        return bool(self.addresses) and time.monotonic() - self._probed >= _PROBE_EVERY_S
+
+    def gone_among(self, ranks: Sequence[int]) -> list[int]:
+        """Those of ``ranks`` whose process is gone (:func:`reshard.execution.liveness.probe` refused),
+        probing when :meth:`probe_due`, a few at a time in turn; a rank without an address, or whose
+        host does not answer, is never called gone (the wait's timeout decides)."""
+        if self.probe_due():
+            self._probed = time.monotonic()
+            todo = [r for r in ranks if r not in self.gone and r in self.addresses and r != self.rank]
+            if todo:
+                turn = self._probe_turn % len(todo)
+                self._probe_turn += _PROBES_PER_CHECK
+                for r in (todo[turn:] + todo[:turn])[:_PROBES_PER_CHECK]:
+                    if probe(self.addresses[r]) is False:
+                        self.gone.add(r)
+        return sorted(self.gone.intersection(ranks))
+
     # ------------------------------------------------------------------ notes
     def note(self, key: str, obj=None) -> None:
         """Post ``obj`` (picklable) under ``key`` for another rank to read with :meth:`notes`; no one waits."""
@@ -144,10 +175,16 @@ class Control:
         self.store.set(f"c/{n}/{self.rank}", pickle.dumps(obj))
         self.store.add(f"c/{n}/count", 1)
         limit = self._seconds(timeout)
-        deadline = time.monotonic() + limit
+        start = time.monotonic()
+        deadline = start + limit
+        grace = min(limit / 4, _PROBE_EVERY_S)
         pause = _POLL_START_S
         while self.store.add(f"c/{n}/count", 0) < self.size:
             self.raise_if_aborted(what)
+            if time.monotonic() - start > grace and self.probe_due():
+                dead = self.gone_among([r for r in range(self.size) if not self.store.check([f"c/{n}/{r}"])])
+                if dead:
+                    raise RefitError(what, f"{_ranks_str(dead)} did not arrive: {_GONE}", ranks=dead)
             if time.monotonic() > deadline:
                 missing = [r for r in range(self.size) if not self.store.check([f"c/{n}/{r}"])]
                 if not missing:  # the last ones arrived after the count was read: every rank is here
@@ -248,8 +285,12 @@ class Control:
             cause = self.aborted(throttle=True) or self.aborted()
             missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
             waited = time.monotonic() - start
-            if waited > limit or (cause is not None and waited > grace and set(missing) <= set(cause.ranks)):
+            named = set(cause.ranks) if cause is not None else set()
+            # a missing rank not named at fault may still report, unless its process is gone
+            gone = self.gone_among([r for r in missing if r not in named]) if waited > grace else []
+            if waited > limit or ((cause is not None or gone) and waited > grace and set(missing) <= named | set(gone)):
                 text = f"{_ranks_str(missing)} did not report within {waited:.3g} s"
+                text += f" ({_gone_text(gone)})" if gone else ""
                 return RefitError(cause.phase if cause else "commit", text + (f" ({cause})" if cause else ""),
                                   ranks=missing + list(cause.ranks if cause else ()))
             time.sleep(pause)
@@ -263,9 +304,15 @@ class Control:
                                                  for t in texts), ranks=[r for e in failed for r in e.ranks])
 
     def _read_verdict(self, n: int, limit: float) -> RefitError | None:
-        deadline = time.monotonic() + limit
+        start = time.monotonic()
+        deadline = start + limit
         pause = _POLL_START_S
         while not self.store.check([f"v/{n}"]):
+            if time.monotonic() - start > min(limit / 4, 1.0) and self.probe_due():
+                leader = int(self.store.get(f"v/{n}/leader").decode())
+                if self.gone_among([leader]) and not self.store.check([f"v/{n}"]):
+                    return RefitError("commit", f"rank {leader} (which decides) {_GONE}",
+                                      ranks=[leader])
             if time.monotonic() > deadline:
                 leader = int(self.store.get(f"v/{n}/leader").decode())
                 return RefitError("commit", f"rank {leader} (which decides) gave no decision within {limit:g} s",
@@ -273,6 +320,13 @@ class Control:
             time.sleep(pause)
             pause = min(pause * 2, _POLL_MAX_S)
         return pickle.loads(self.store.get(f"v/{n}"))
+
+
+_GONE = "gone (its process refuses connections: dead)"
+
+
+def _gone_text(ranks: Sequence[int]) -> str:
+    return f"{_ranks_str(ranks)} {_GONE}"
 
 
 def _transport_text(text: str) -> str:

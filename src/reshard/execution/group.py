@@ -11,7 +11,8 @@
 Plans use the group's own ranks. Every wait is bounded by ``timeout`` and watches the group's
 abort signal (:mod:`reshard.execution.control`: the control plane over the group's TCP store), so
 a rank that fails, dies or stalls makes every rank raise :class:`~reshard.execution.control.RefitError`
-naming it. The operations are the few a refit needs: a batch of point-to-point sends and
+naming it; in a standalone group, a rank that died is named at once wherever a wait misses it
+(:mod:`reshard.execution.liveness`). The operations are the few a refit needs: a batch of point-to-point sends and
 receives, gathers of Python objects, a broadcast, a barrier, and splitting off a subgroup (for
 gather-and-broadcast).
 
@@ -40,6 +41,7 @@ import torch.distributed as dist
 
 from ..options import DEFAULT_TIMEOUT
 from .control import Control, RefitError
+from .liveness import listen_address
 
 STORE_TIMEOUT = timedelta(seconds=60)
 
@@ -67,6 +69,7 @@ class Group:
         self.broken: RefitError | None = None  # the failure that broke the group, if any
         self.tcp_store: dist.TCPStore | None = None  # set by connect(): the store behind a standalone group
         self.store_addr: str | None = None
+        self.store_host: str | None = None  # set for standalone groups: where their store is
 
     @classmethod
     def of(cls, group: "Group | dist.ProcessGroup | None", timeout: timedelta | None = None) -> "Group":
@@ -100,21 +103,27 @@ class Group:
             except (RuntimeError, dist.DistStoreError) as e:
                 raise RefitError("connect", f"rank {rank}: no TCP store at {store_addr} "
                                             f"({str(e).splitlines()[0][:200]})", ranks=[rank] if rank else [0]) from None
-        group = cls._standalone(dist.PrefixStore(prefix, store), rank, world_size, backend, timeout)
+        group = cls._standalone(dist.PrefixStore(prefix, store), rank, world_size, backend, timeout, host)
         group.tcp_store, group.store_addr = store, store_addr
         return group
 
     @classmethod
-    def _standalone(cls, store: dist.Store, rank: int, size: int, backend: str, timeout: timedelta) -> "Group":
-        # every rank checks in first, so that a missing one is named rather than timing out the transport's setup
-        Control(dist.PrefixStore("arrive", store), rank, size, timeout).gather("connect")
+    def _standalone(cls, store: dist.Store, rank: int, size: int, backend: str, timeout: timedelta,
+                    store_host: str) -> "Group":
+        # every rank checks in first, so that a missing one is named rather than timing out the transport's
+        # setup, with the address of its liveness port (a wait that misses it probes it: dead or slow?)
+        addresses = Control(dist.PrefixStore("arrive", store), rank, size, timeout).gather(
+            "connect", listen_address(store_host))
         try:
-            return cls._make(store, rank, size, backend, timeout)
+            group = cls._make(store, rank, size, backend, timeout)
         except ValueError:
             raise
         except Exception as e:  # noqa: BLE001 - the transport's setup waits on every peer
             raise RefitError("connect", f"rank {rank}: setting up the {backend} communicator failed: "
                                         f"{str(e).splitlines()[0][:200]}") from None
+        group.control.addresses = {r: a for r, a in enumerate(addresses) if isinstance(a, str)}
+        group.store_host = store_host
+        return group
 
     @classmethod
     def _make(cls, store: dist.Store, rank: int, size: int, backend: str, timeout: timedelta) -> "Group":
@@ -231,7 +240,8 @@ class Group:
         if self.rank not in members:
             return None
         store = dist.PrefixStore(f"split{self._splits}", self.store)
-        return Group._standalone(store, members.index(self.rank), len(members), self.backend, self.timeout)
+        return Group._standalone(store, members.index(self.rank), len(members), self.backend, self.timeout,
+                                 self.store_host)
 
     def close(self) -> None:
         """Release a standalone group's communicator and store, or a subgroup :meth:`split` registered
