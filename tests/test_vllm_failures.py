@@ -249,7 +249,8 @@ def test_engines_killed_are_named_and_replaced(rig):
             engine.send_weights(weight_version="k2")
         failed_s = time.monotonic() - start
         print(f"\nkilled {killed} between refits; the next refit raised after {failed_s:.1f} s: {failure.value!r}")
-        assert failure.value.ranks == (3,) and failed_s < TIMEOUT_S + 10, (failure.value, failed_s)
+        # the dead worker's liveness port refuses: named at once, not when the 15 s timeout runs out
+        assert failure.value.ranks == (3,) and failed_s < TIMEOUT_S / 3, (failure.value, failed_s)
         assert survivor.get_weight_version() == "k1"
         if not failure.value.moved:  # caught before any byte moved: the survivor is whole
             assert [s["state"] for s in _states(survivor)] == ["ready"] * 2
@@ -283,7 +284,8 @@ def test_engines_killed_are_named_and_replaced(rig):
         print(f"a worker killed mid-refit; the refit raised after {failed_s:.1f} s: {failure.value!r}\n"
               + "\n".join(getattr(failure.value, "__notes__", [])))
         assert failure.value.ranks and set(failure.value.ranks) <= {3, 4}, failure.value
-        assert failed_s < TIMEOUT_S + 10, failed_s
+        # vLLM kills the engine's other worker soon after: probed dead too, not waited for to the timeout
+        assert failed_s < TIMEOUT_S / 3, failed_s
         assert failure.value.moved, failure.value  # killed mid-refit: bytes may have moved
         assert survivor.get_weight_version() == "k3"
         with pytest.raises(WeightsPoisonedError, match="'k4'"):
