@@ -102,3 +102,15 @@ def test_a_decision_counts_a_dead_rank_that_never_reported_and_waits_for_a_live_
     with pytest.raises(RefitError, match=r"rank 1 did not report within") as e:
         alive.decide(None)
     assert "gone" not in str(e.value) and time.monotonic() - t >= 1.0
+
+
+def test_a_group_probes_only_where_a_live_peer_answers():
+    """At connect every rank has just checked in: if the next one's port does not answer (a firewall
+    that resets or drops unlisted ports), the group's waits never probe and keep their timeouts."""
+    from reshard.execution.group import _probed_addresses
+
+    own, refused = listen_address("127.0.0.1"), _closed_port_address()
+    assert _probed_addresses([own, own, refused], 0) == {0: own, 1: own, 2: refused}
+    assert _probed_addresses([own, own, refused], 1) == {}  # its next rank, 2, refuses
+    assert _probed_addresses([own, None], 0) == {}  # a peer without an address
+    assert _probed_addresses([own], 0) == {0: own}  # alone: nothing to check

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from ..options import DEFAULT_TIMEOUT
 from .control import Control, RefitError
-from .liveness import listen_address
+from .liveness import listen_address, probe
 
 STORE_TIMEOUT = timedelta(seconds=60)
 
@@ -121,7 +121,7 @@ class Group:
         except Exception as e:  # noqa: BLE001 - the transport's setup waits on every peer
             raise RefitError("connect", f"rank {rank}: setting up the {backend} communicator failed: "
                                         f"{str(e).splitlines()[0][:200]}") from None
-        group.control.addresses = {r: a for r, a in enumerate(addresses) if isinstance(a, str)}
+        group.control.addresses = _probed_addresses(addresses, rank)
         group.store_host = store_host
         return group
 
@@ -259,6 +259,17 @@ class Group:
             if callable(shutdown):
                 shutdown()
         self.pg, self.store, self.tcp_store = None, None, None
+
+
+def _probed_addresses(addresses: list, rank: int) -> dict[int, str]:
+    """The liveness addresses a group's waits may probe: all of them, if the next rank's answers now
+    (it just checked in, so it is alive); none where the network refuses or drops probes (a firewall
+    that resets unlisted ports would make every late rank look dead), so waits fall back to their timeouts."""
+    found = {r: a for r, a in enumerate(addresses) if isinstance(a, str)}
+    peer = (rank + 1) % len(addresses)
+    if peer != rank and not (peer in found and probe(found[peer]) is True):
+        return {}
+    return found
 
 
 _controls: "weakref.WeakKeyDictionary[dist.ProcessGroup, Control]" = weakref.WeakKeyDictionary()
