@@ -114,3 +114,24 @@ def test_a_group_probes_only_where_a_live_peer_answers():
     assert _probed_addresses([own, own, refused], 1) == {}  # its next rank, 2, refuses
     assert _probed_addresses([own, None], 0) == {}  # a peer without an address
     assert _probed_addresses([own], 0) == {0: own}  # alone: nothing to check
+
+
+class _NeverDone:
+    """A posted work that never completes (an NCCL transfer with a dead peer)."""
+
+    def is_completed(self) -> bool:
+        return False
+
+
+def test_a_polled_transfer_with_a_dead_peer_fails_at_once(store):
+    """The polling wait (NCCL's) names a peer whose process is gone instead of waiting out its deadline;
+    a live peer's pending work is waited for until the deadline."""
+    own = listen_address("127.0.0.1")
+    dead = _control(store, "dead", 0, 3, {0: own, 1: own, 2: _closed_port_address()}, 20.0)
+    t = time.monotonic()
+    with pytest.raises(RefitError, match=r"transfer round 0: transfer with rank 2 gone") as e:
+        dead.wait([(_NeverDone(), (1,)), (_NeverDone(), (2,))], "transfer round 0")
+    assert e.value.ranks == (2,) and time.monotonic() - t < 5.0
+    alive = _control(store, "alive", 0, 2, {0: own, 1: own}, 1.0)
+    with pytest.raises(RefitError, match=r"no progress with rank 1 within 1 s"):
+        alive.wait([(_NeverDone(), (1,))], "transfer round 0")

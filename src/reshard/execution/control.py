@@ -234,6 +234,10 @@ class Control:
             if not pending:
                 return
             self.raise_if_aborted(phase, throttle=True)
+            if self.probe_due():  # a dead peer's work never completes on NCCL: name it now, not at the deadline
+                dead = self.gone_among(sorted({p for _, peers in pending for p in peers}))
+                if dead:
+                    raise RefitError(phase, f"transfer with {_gone_text(dead)}", ranks=dead)
             if time.monotonic() > deadline:
                 slow = sorted({p for _, peers in pending for p in peers})
                 raise RefitError(phase, f"no progress with {_ranks_str(slow)} within {limit:g} s", ranks=slow)
