@@ -349,7 +349,10 @@ class _Pausable(_Recorder):
 
 class _Session:
     def __init__(self, outcomes: list) -> None:
+        from types import SimpleNamespace
+
         self.outcomes = outcomes
+        self.group = SimpleNamespace(control=SimpleNamespace(gone=set(), addresses={}))  # what liveness found
 
     def refit(self, version):
         outcome = self.outcomes.pop(0)
@@ -404,6 +407,18 @@ def test_trainer_gates_engines_after_a_failed_refit_and_resumes_them_after_a_com
     assert _sorted(calls) == [("a", "pause", "keep"), ("a", "start"), ("a", "update", "w3"), ("a", "finish", "w3"),
                               ("a", "resume", True), ("b", "start"), ("b", "update", "w3"), ("b", "finish", "w3")]
     assert a.gated is None
+
+    # b's worker died (a liveness probe found its process gone): after the failed refit b is not called
+    # (vLLM shuts it down; a call meanwhile may get no answer until the grace runs out)
+    calls.clear()
+    engine.session.outcomes.append(RefitError("transfer round 1", "rank 2 died", ranks=[2], moved=True))
+    engine.session.group.control.gone.add(2)
+    with pytest.raises(RefitError) as failure:
+        engine.send_weights(weight_version="w4")
+    assert _sorted(calls) == [("a", "pause", "keep"), ("a", "start"), ("a", "update", "w4"), ("a", "gate"),
+                              ("a", "finish", None), ("b", "start"), ("b", "update", "w4")]
+    assert failure.value.__notes__ == ["engine 1 (refit rank 2): rank 2 gone (the process is dead): not called "
+                                       "(vLLM shuts an engine with a dead worker down)"]
 
 
 def test_http_client_pauses_through_the_servers_routes(monkeypatch):

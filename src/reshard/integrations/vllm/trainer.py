@@ -125,6 +125,7 @@ from typing import Any, Callable, Self
 import torch
 from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine, VLLMWeightSyncClient, WeightSource
 
+from ...execution.liveness import probe
 from ...options import STAGED
 from ...refit.background import RefitHandle, copies_of
 from ...refit.session import RefitSession, RefitStats
@@ -337,6 +338,8 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
         method = self.init_info.options.method
 
         def handle(index: int, client) -> list[str]:
+            if gone := self._gone_workers(index):
+                return gone
             round_error = outcome(receives[index], self.grace_s)
             if round_error is not None:
                 return [f"its receive call: {type(round_error).__name__}: {round_error}"]
@@ -348,6 +351,18 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
             return []
 
         self._note_problems(error, self._each_engine(engines, handle))
+
+    def _gone_workers(self, index: int) -> list[str]:
+        """After a failed refit: engine ``index``'s workers whose process a liveness probe found dead, as
+        a problem to note, or nothing. vLLM shuts an engine with a dead worker down, and a call made while
+        it does may get no answer until the grace runs out, so such an engine is not called at all."""
+        control = self.session.group.control
+        gone = [r for r in self.init_info.engine_ranks(index)
+                if r in control.gone or (r in control.addresses and probe(control.addresses[r]) is False)]
+        if not gone:
+            return []
+        return [f"rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} gone (the process is dead): "
+                f"not called (vLLM shuts an engine with a dead worker down)"]
 
     def _note_problems(self, error: Exception, problems: list[list[str]]) -> None:
         """Each engine's problems (by index) after a failed refit: logged and noted on ``error``."""
@@ -429,6 +444,8 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
         reason = f"the refit to weight version {version!r} failed ({error})"
 
         def handle(index: int, client) -> list[str]:
+            if gone := self._gone_workers(index):
+                return gone
             problems = []
             round_error = outcome(rounds[index], self.grace_s)
             if round_error is not None:
