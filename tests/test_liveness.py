@@ -135,3 +135,13 @@ def test_a_polled_transfer_with_a_dead_peer_fails_at_once(store):
     alive = _control(store, "alive", 0, 2, {0: own, 1: own}, 1.0)
     with pytest.raises(RefitError, match=r"no progress with rank 1 within 1 s"):
         alive.wait([(_NeverDone(), (1,))], "transfer round 0")
+
+
+def test_gone_now_probes_at_once_and_remembers(store):
+    """After a failed refit (the vLLM trainer, before calling an engine): every rank asked is probed now,
+    not at the next throttled turn; a dead one stays gone."""
+    own = listen_address("127.0.0.1")
+    control = _control(store, "now", 0, 3, {0: own, 1: own, 2: _closed_port_address()}, 20.0)
+    control.gone_among([1])  # a probe just ran: the throttle would skip the next 0.25 s
+    assert control.gone_now([1, 2]) == [2] and control.gone == {2}
+    assert control.gone_now([0, 2]) == [2]

@@ -352,7 +352,8 @@ class _Session:
         from types import SimpleNamespace
 
         self.outcomes = outcomes
-        self.group = SimpleNamespace(control=SimpleNamespace(gone=set(), addresses={}))  # what liveness found
+        gone: set[int] = set()  # ranks liveness found dead
+        self.group = SimpleNamespace(control=SimpleNamespace(gone=gone, gone_now=lambda ranks: sorted(gone & set(ranks))))
 
     def refit(self, version):
         outcome = self.outcomes.pop(0)

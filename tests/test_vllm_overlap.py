@@ -228,7 +228,9 @@ class _Notes:
 
     def __init__(self, applied: dict) -> None:
         self.applied = applied
-        self.gone, self.addresses = set(), {}  # liveness: no worker found dead, none probed
+
+    def gone_now(self, ranks):  # liveness: no worker found dead
+        return []
 
     def notes(self, key, ranks, timeout):
         return {rank: self.applied[rank] for rank in ranks if rank in self.applied}

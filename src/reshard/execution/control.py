@@ -138,14 +138,24 @@ class Control:
         host does not answer, is never called gone (the wait's timeout decides)."""
         if self.probe_due():
             self._probed = time.monotonic()
-            todo = [r for r in ranks if r not in self.gone and r in self.addresses and r != self.rank]
+            todo = self._unprobed(ranks)
             if todo:
                 turn = self._probe_turn % len(todo)
                 self._probe_turn += _PROBES_PER_CHECK
-                for r in (todo[turn:] + todo[:turn])[:_PROBES_PER_CHECK]:
-                    if probe(self.addresses[r]) is False:
-                        self.gone.add(r)
+                self._probe((todo[turn:] + todo[:turn])[:_PROBES_PER_CHECK])
         return sorted(self.gone.intersection(ranks))
+
+    def gone_now(self, ranks: Sequence[int]) -> list[int]:
+        """Those of ``ranks`` whose process is gone, probing each not yet found gone now (no throttle:
+        for a decision after a wait, not inside one)."""
+        self._probe(self._unprobed(ranks))
+        return sorted(self.gone.intersection(ranks))
+
+    def _unprobed(self, ranks: Sequence[int]) -> list[int]:
+        return [r for r in ranks if r not in self.gone and r in self.addresses and r != self.rank]
+
+    def _probe(self, ranks: Sequence[int]) -> None:
+        self.gone.update(r for r in ranks if probe(self.addresses[r]) is False)
 
     # ------------------------------------------------------------------ notes
     def note(self, key: str, obj=None) -> None:

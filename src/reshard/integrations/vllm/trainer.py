@@ -125,7 +125,6 @@ from typing import Any, Callable, Self
 import torch
 from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine, VLLMWeightSyncClient, WeightSource
 
-from ...execution.liveness import probe
 from ...options import STAGED
 from ...refit.background import RefitHandle, copies_of
 from ...refit.session import RefitSession, RefitStats
@@ -356,9 +355,7 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
         """After a failed refit: engine ``index``'s workers whose process a liveness probe found dead, as
         a problem to note, or nothing. vLLM shuts an engine with a dead worker down, and a call made while
         it does may get no answer until the grace runs out, so such an engine is not called at all."""
-        control = self.session.group.control
-        gone = [r for r in self.init_info.engine_ranks(index)
-                if r in control.gone or (r in control.addresses and probe(control.addresses[r]) is False)]
+        gone = self.session.group.control.gone_now(self.init_info.engine_ranks(index))
         if not gone:
             return []
         return [f"rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} gone (the process is dead): "
