@@ -20,6 +20,8 @@ from reshard.execution.control import Control, RefitError
 from reshard.execution.liveness import listen_address, probe
 from reshard.execution.process_group import free_port
 
+pytestmark = pytest.mark.timeout(300)  # every wait below is bounded; this bounds the test if one is not
+
 # a child process takes seconds to start on a busy 2-core machine; its death is seen by the kernel at once
 START_S, DEATH_S = 120.0, 10.0
 
