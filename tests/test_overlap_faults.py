@@ -123,3 +123,33 @@ def test_the_vllm_suite_draws_families_and_counts_them_apart():
     assert not fault_suite_vllm.needs_a_look(outcomes[0])
     assert fault_suite_vllm.needs_a_look(Outcome(staged[0], fired=True, result="recovered", kept=0, kept_due=1))
     assert len(OVERLAPS) == 4
+
+
+def test_the_vllm_suite_leaves_its_serving_check_out_of_rank_0s_times():
+    """A staged scenario's serving check runs inside trainer rank 0's refit call, before its refit: its time
+    is the harness's (an engine being shut down can hold its calls for tens of seconds), so rank 0's
+    detection time and bound leave it out; rank 1's are as measured (no engine needed)."""
+    import random
+    from types import SimpleNamespace
+
+    from reshard.apps import fault_suite_vllm
+    from reshard import RefitError
+
+    rig = SimpleNamespace(timeout_s=5.0, stall_s=15.0, engine=SimpleNamespace(grace_s=10.0))
+    driver = fault_suite_vllm.EngineDriver(rig)
+    s = fault_suite_vllm.random_scenario(0, random.Random(5), 2, 3, {0: [0], 1: [1]}, overlap="staged")
+    s = type(s)(**{**vars(s), "fault": "raise@agreement", "fault_rank": 2})  # on an engine worker: both trainers raise
+
+    def judge(check_at: float | None, check_s: float, end0: float, end1: float) -> fault_suite_vllm.Outcome:
+        o = fault_suite_vllm.Outcome(s, fired=True, harness_at=check_at, harness_s=check_s)
+        attempt = fault_suite_vllm.Attempt("v1", 0, 100.0, RefitError("agreement", "x", ranks=[2]), end0, ("error", end1), 101.0, False, [])
+        driver._judge_failure(s, attempt, o)
+        return o
+
+    # the fault fires at 101; the check runs 100.5-145 (44.5 s, 44 after the fault); rank 0 raises at 146
+    o = judge(100.5, 44.5, 146.0, 102.0)
+    assert o.detection_s == pytest.approx(1.0) and not o.late, (o.detection_s, o.notes)
+    o = judge(None, 0.0, 146.0, 102.0)  # the same times without a check: rank 0 raised 46 s after the start
+    assert o.detection_s == pytest.approx(45.0) and o.late, (o.detection_s, o.notes)
+    o = judge(100.0, 0.5, 102.5, 103.5)  # a quick check before the fault: rank 1 is the later one
+    assert o.detection_s == pytest.approx(2.5) and not o.late

@@ -32,7 +32,9 @@ Each scenario also plays in a family (:attr:`~reshard.apps.fault_scenarios.Scena
 changes): the workers receive on a thread while the engine serves, and before trainer rank 0 sends
 (its session's ``refit``, wrapped for the attempt) the harness checks that every worker's receive
 of the new version has started and that the engine's greedy tokens and digests are still those of
-the state it holds (otherwise a torn model served). With ``trainer`` both trainer ranks call
+the state it holds (otherwise a torn model served); not in an engine-kill scenario, whose engine
+vLLM is shutting down by then (the check's calls would wait on it and hold rank 0's refit back), and
+the check's own time is left out of rank 0's detection time and bound. With ``trainer`` both trainer ranks call
 ``send_weights(v, wait=False)``, run a forward, a backward and an SGD step of their model while it
 is in flight (the step must wait for the refit: a handle guarding none of the parameters is a broken
 guard, and a step let through would leave the engine with other weights than the reference, a
@@ -188,7 +190,8 @@ class EngineDriver:
         # rank 0 may also wait for the engine's calls: the grace for its update call, twice that to gate it
         limit = 3 * rig.timeout_s + rig.stall_s + 3 * rig.engine.grace_s + 30
         session = rig.engine.session
-        if s.staged:
+        if s.staged and not is_engine_kill(s):  # a worker killed at its fault point takes its engine down: a
+            # check's calls would then wait on vLLM's shutdown (seconds) and hold rank 0's refit back behind them
             session.refit = self._serving_check(s, o, session.refit, version)
         try:
             if s.in_flight:
@@ -239,12 +242,12 @@ class EngineDriver:
         rig = self.rig
 
         def checked(*args, **kwargs):
+            began = time.monotonic()
             try:
                 receiving = [st["receiving"] for st in rig.transfer_states()]
                 tokens, digests = rig.greedy(), rig.digests()
             except Exception as e:  # noqa: BLE001 - judged below, and the refit goes on
-                if not (is_engine_kill(s) and rig.engine_dead()):  # a worker killed at its fault point may go first
-                    o.notes.append(f"serving while receiving: {type(e).__name__}: {e}")
+                o.notes.append(f"serving while receiving: {type(e).__name__}: {e}")
             else:
                 if receiving != [version] * rig.tp:
                     o.notes.append(f"the serving check found the workers receiving {receiving}, not {version!r}")
@@ -254,6 +257,8 @@ class EngineDriver:
                                    f"(tokens {tokens} vs {rig.tokens[rig.state]})")
                 else:
                     o.served += 1
+            # the harness's time, not the trainer's: left out of its detection and bound (_check_after)
+            o.harness_at, o.harness_s = began, time.monotonic() - began
             return refit(*args, **kwargs)
 
         return checked
@@ -297,21 +302,32 @@ class EngineDriver:
             if not o.named:
                 o.notes.append(f"the killed worker is refit rank {s.fault_rank}; the trainer ranks' errors name "
                                f"ranks {named[0]} and {named[1]}")
-        ends = [t for r, t in ((0, a.end0 if error0 is not None else None),
-                               (1, answer[1] if answer and answer[0] == "error" else None))
-                if t is not None and r != s.fault_rank]
+        raised = [(r, t) for r, t in ((0, a.end0 if error0 is not None else None),
+                                      (1, answer[1] if answer and answer[0] == "error" else None))
+                  if t is not None and r != s.fault_rank]
+        ends = [t for _, t in raised]
         if a.fired_at is not None and ends:
-            o.detection_s = max(ends) - a.fired_at
+            o.detection_s = max(t - a.fired_at - (self._check_after(o, a.fired_at) if r == 0 else 0.0)
+                                for r, t in raised)
         # a session's waits end within two timeouts (a round's, then the decision's); rank 0 also waits for the
         # engine's update call before gating it, which a stalled worker holds until it wakes (at most the grace)
         bound = 2 * rig.timeout_s + 10.0
         if side_of(s) == "engine" and s.kind == "stall":
             bound += min(rig.stall_s, rig.engine.grace_s)
-        if ends and max(ends) - a.start > bound:
+        took = max((t - a.start - (o.harness_s if r == 0 else 0.0) for r, t in raised), default=0.0)
+        if took > bound:
             o.late = True
-            o.notes.append(f"a trainer rank raised {max(ends) - a.start:.1f} s after the refit began "
-                           f"(bound {bound:g} s)")
+            o.notes.append(f"a trainer rank raised {took:.1f} s after the refit began (bound {bound:g} s)")
         return ends
+
+    @staticmethod
+    def _check_after(o: Outcome, moment: float) -> float:
+        """Seconds of the harness's serving check (staged receives) after ``moment``: trainer rank 0's refit
+        starts after it, and an engine whose worker was just killed can hold its calls for up to the rig's
+        RPC bound, so that time is the harness's, left out of rank 0's detection and bound."""
+        if o.harness_at is None:
+            return 0.0
+        return max(0.0, o.harness_at + o.harness_s - max(o.harness_at, moment))
 
     def _check_engine(self, a: Attempt, o: Outcome) -> None:
         """After a failed refit: the engine's version unmoved; gated if bytes may have moved, else whole."""
