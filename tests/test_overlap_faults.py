@@ -142,7 +142,8 @@ def test_the_vllm_suite_leaves_its_serving_check_out_of_rank_0s_times():
 
     def judge(check_at: float | None, check_s: float, end0: float, end1: float) -> fault_suite_vllm.Outcome:
         o = fault_suite_vllm.Outcome(s, fired=True, harness_at=check_at, harness_s=check_s)
-        attempt = fault_suite_vllm.Attempt("v1", 0, 100.0, RefitError("agreement", "x", ranks=[2]), end0, ("error", end1), 101.0, False, [])
+        error = RefitError("agreement", "x", ranks=[2])
+        attempt = fault_suite_vllm.Attempt("v1", 0, 100.0, error, end0, ("error", end1), 101.0, False, [])
         driver._judge_failure(s, attempt, o)
         return o
 

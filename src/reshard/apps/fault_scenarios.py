@@ -148,8 +148,9 @@ class Outcome:
     served: int = 0  # reads (generates) of the live weights while a staged receive was in flight, all checked
     guard_waits: int = 0  # optimizer steps that found the refit in flight and waited for it
     guard_broken: int = 0  # refits in flight that guarded none of the parameters they read (the step would not wait)
-    harness_at: float | None = None  # (vLLM suite) when the harness's own check inside trainer rank 0's refit call
-    harness_s: float = 0.0  # began (time.monotonic()) and how long it took: not the trainer's time
+    # (vLLM suite) the harness's serving check inside trainer rank 0's refit call, not the trainer's time:
+    harness_at: float | None = None  # when it began (time.monotonic())
+    harness_s: float = 0.0  # how long it took
 
     def record(self, side: str | None = None) -> dict:
         """This outcome as JSON-ready data: the scenario described, each rank's events by rank."""

@@ -34,8 +34,8 @@ changes): the workers receive on a thread while the engine serves, and before tr
 of the new version has started and that the engine's greedy tokens and digests are still those of
 the state it holds (otherwise a torn model served); not in an engine-kill scenario, whose engine
 vLLM is shutting down by then (the check's calls would wait on it and hold rank 0's refit back), and
-the check's own time is left out of rank 0's detection time and bound. With ``trainer`` both trainer ranks call
-``send_weights(v, wait=False)``, run a forward, a backward and an SGD step of their model while it
+the check's own time is left out of rank 0's detection time and bound. With ``trainer`` both
+trainer ranks call ``send_weights(v, wait=False)``, run a forward, a backward and an SGD step of their model while it
 is in flight (the step must wait for the refit: a handle guarding none of the parameters is a broken
 guard, and a step let through would leave the engine with other weights than the reference, a
 silent corruption), then ``wait()``,
@@ -306,25 +306,26 @@ class EngineDriver:
                                       (1, answer[1] if answer and answer[0] == "error" else None))
                   if t is not None and r != s.fault_rank]
         ends = [t for _, t in raised]
+
+        def took(since: float) -> float:  # the last rank's raise after ``since``, rank 0's without the check
+            return max(t - since - (self._check_after(o, since) if r == 0 else 0.0) for r, t in raised)
+
         if a.fired_at is not None and ends:
-            o.detection_s = max(t - a.fired_at - (self._check_after(o, a.fired_at) if r == 0 else 0.0)
-                                for r, t in raised)
+            o.detection_s = took(a.fired_at)
         # a session's waits end within two timeouts (a round's, then the decision's); rank 0 also waits for the
         # engine's update call before gating it, which a stalled worker holds until it wakes (at most the grace)
         bound = 2 * rig.timeout_s + 10.0
         if side_of(s) == "engine" and s.kind == "stall":
             bound += min(rig.stall_s, rig.engine.grace_s)
-        took = max((t - a.start - (o.harness_s if r == 0 else 0.0) for r, t in raised), default=0.0)
-        if took > bound:
+        if ends and took(a.start) > bound:
             o.late = True
-            o.notes.append(f"a trainer rank raised {took:.1f} s after the refit began (bound {bound:g} s)")
+            o.notes.append(f"a trainer rank raised {took(a.start):.1f} s after the refit began (bound {bound:g} s)")
         return ends
 
     @staticmethod
     def _check_after(o: Outcome, moment: float) -> float:
         """Seconds of the harness's serving check (staged receives) after ``moment``: trainer rank 0's refit
-        starts after it, and an engine whose worker was just killed can hold its calls for up to the rig's
-        RPC bound, so that time is the harness's, left out of rank 0's detection and bound."""
+        starts after it, so that time is the harness's, left out of rank 0's detection and bound."""
         if o.harness_at is None:
             return 0.0
         return max(0.0, o.harness_at + o.harness_s - max(o.harness_at, moment))
