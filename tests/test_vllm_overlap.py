@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -313,3 +314,31 @@ def test_failed_staged_refit_drops_the_staging_and_does_not_gate():
         engine.send_weights(weight_version="8")
     assert calls == [("start",), ("update", "receive"), ("refit", "8"), ("update", "apply"), ("finish", None)]
     assert engine.client.gated is None and engine.last_pause_s == [None]
+
+
+def test_a_staged_refit_does_not_wait_for_the_receive_call_of_an_engine_with_a_dead_worker():
+    """A worker killed before its engine answered the receive call: vLLM leaves the call unanswered while
+    it shuts the engine down. Rank 0 must join the refit (which fails naming the dead rank) as soon as a
+    probe finds the worker dead, not after the grace (the sessions' timeout, 120 s, and more)."""
+    from reshard.refit import RefitError
+
+    calls, answer = [], threading.Event()
+    engine = _trainer(calls, RefitError("agreement", "rank 1 gone", ranks=[1], moved=False))
+    engine.session.group.control.gone_now = lambda ranks: [r for r in ranks if r == 1]  # the worker is dead
+
+    def unanswered(update_info):  # the engine never answers the receive call (until the test ends)
+        calls.append(("update", update_info.get("step")))
+        answer.wait(60)
+
+    engine.client.update_weights = unanswered
+    try:
+        started = time.monotonic()
+        with pytest.raises(RefitError, match="rank 1 gone") as failure:
+            engine.send_weights(weight_version="4")
+        took = time.monotonic() - started
+    finally:
+        answer.set()
+    assert ("refit", "4") in calls and took < 30, took  # joined within a few probes (0.25 s apart), not the grace
+    assert engine.grace_s > 60
+    assert any("gone (the process is dead): not called" in note for note in failure.value.__notes__)
+    assert engine.client.gated is None and calls[-1] == ("refit", "4")  # the dead engine is not called again

@@ -75,9 +75,11 @@ by the trainer: a client with only vLLM's four weight-sync methods, or such a cl
 **Receiving while serving** (``RefitOptions(receive="staged")``): rank 0 does not pause before
 the transfer. Per engine it calls ``start_weight_update()`` and ``update_weights({..., "step":
 "receive"})``, which return at once (the workers receive on a thread of their own while the engine
-serves its current version); every rank runs its refit; once it committed, per engine:
-``pause_generation(mode)`` (if pausing), ``update_weights({..., "step": "apply"})`` (the workers
-put the staged version in place), then steps 1-3 above. The engine's pause is the apply step only
+serves its current version; rank 0 stops waiting for the calls of an engine with a worker found
+dead, which vLLM may leave unanswered for seconds while it shuts that engine down); every rank runs
+its refit; once it committed, per engine: ``pause_generation(mode)`` (if pausing),
+``update_weights({..., "step": "apply"})`` (the workers put the staged version in place), then
+steps 1-3 above. The engine's pause is the apply step only
 (:attr:`ReshardTrainerWeightTransferEngine.last_pause_s`, per engine). A refit that fails before
 its commit moved no live byte (``error.moved`` is False): no engine is paused or gated; each gets
 the apply step (its workers record the failed receive and stay ready at their version) and
@@ -132,6 +134,8 @@ from .clients import AsyncLLMClient, EngineGroup, HTTPClient, OfflineClient, Pre
 from .init_info import ReshardTrainerInitInfo, check_pause_mode
 from .source import ReshardSource
 from .threads import in_thread, outcome, with_pending_call
+
+RECEIVE_CHECK_S = 0.25  # a staged refit's wait for the receive calls looks for dead workers this often
 
 logger = logging.getLogger(__name__)
 
@@ -289,8 +293,8 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
 
         receives = [in_thread(start, client) for client in engines]
         deadline = time.monotonic() + self.grace_s
-        for future in receives:  # they return at once; a dead engine's ranks fail the refit below, named
-            outcome(future, max(0.0, deadline - time.monotonic()))
+        for index, future in enumerate(receives):  # they return at once; a dead engine's ranks fail the refit below
+            self._await_receive(future, index, deadline)
         try:
             self.last_stats = self._refit(version, copies)
         except Exception as error:
@@ -302,6 +306,17 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
                                  method, pause_started, index) for index, client in enumerate(engines)]
             self._after_commit(version, mode, engines, applies, paused, pause_started)
         return self.last_stats
+
+    def _await_receive(self, receive: Future, index: int, deadline: float) -> None:
+        """Wait until engine ``index``'s receive call returned (at once, normally), ``deadline`` passed, or a
+        worker of the engine is found dead: vLLM then shuts the engine down and the call may get no answer
+        until it has (seconds), while the refit, which this rank would join only after the wait, fails at
+        once naming the dead rank. Looks for dead workers every :data:`RECEIVE_CHECK_S`."""
+        ranks = self.init_info.engine_ranks(index)
+        while (left := deadline - time.monotonic()) > 0:
+            outcome(receive, min(left, RECEIVE_CHECK_S))
+            if receive.done() or self.session.group.control.gone_now(ranks):
+                return
 
     def _apply_round(self, receive: Future, client, mode: str | None, version: str, method: str,
                      pause_started: list, index: int) -> None:
