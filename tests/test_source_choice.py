@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import reshard as rs
 from reshard.planning import sources
 from reshard.planning.geometry_groups import group_tensors
-from reshard.planning.sources import BULK_COLUMNS, _near_homes, _SourceChooser, dealt_bytes, fill_choices
+from reshard.planning.sources import BULK_COLUMNS, _SourceChooser, dealt_bytes, fill_choices
 from strategies import layout_pairs
 
 
@@ -22,6 +22,14 @@ def candidate_ranks(group, source: rs.Layout) -> list[list[int]]:
     ranks = source.tables[group.tensors[0]].ranks[items.candidates].tolist()
     starts, counts = items.cand_start[group.choice_cols].tolist(), items.cand_count[group.choice_cols].tolist()
     return [ranks[start: start + count] for start, count in zip(starts, counts)]
+
+
+def near_homes(group, candidates: list[list[int]], domains: np.ndarray | None) -> list[int]:
+    """Per choice column, its destination's domain where one of its ``candidates`` (ranks) lies in it, else -1."""
+    if domains is None:
+        return [-1] * len(candidates)
+    homes = [int(domains[rank]) for rank in group.dst_rank[group.choice_cols].tolist()]
+    return [home if any(int(domains[r]) == home for r in ranks) else -1 for home, ranks in zip(homes, candidates)]
 
 
 class OneColumnAtATime(_SourceChooser):
@@ -36,8 +44,7 @@ class OneColumnAtATime(_SourceChooser):
             group = self.groups[index]
             if index not in candidates:
                 candidates[index] = candidate_ranks(group, self.source)
-                homes[index] = (_near_homes(group, self.source, self.domains) if self.domains is not None
-                                else [-1] * len(group.choice_cols))
+                homes[index] = near_homes(group, candidates[index], self.domains)
                 orders[index] = [None] * len(group.choice_cols)
             ranks, home = candidates[index][column], homes[index][column]
             pool, load = list(range(len(ranks))), self.load
@@ -121,6 +128,33 @@ def test_many_columns_of_one_group_choose_as_one_at_a_time(gpus_per_domain, laye
     assert chosen(source, destination, domains, _SourceChooser) == expected
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sources, "STRETCH_WINDOW", 1)
+        assert chosen(source, destination, domains, _SourceChooser) == expected
+
+
+@pytest.mark.parametrize("gpus_per_domain", [2, 4, 8])
+@pytest.mark.parametrize("shards", [40, 48])
+def test_columns_sharing_one_candidate_set_near_and_far_choose_as_one_at_a_time(gpus_per_domain, shards):
+    """Groups whose columns all have one candidate set (the relay phase's: a box's seeds, for every
+    domain taking it), some of them with a candidate in their destination's domain and some not, on
+    ranks both sides share."""
+    src, dst = [], []
+    for layer, holders in enumerate(([0, 5, 9, 14, 18], [0, 5, 9, 14, 18], [2, 3, 21, 30], [7, 33])):
+        spec = rs.TensorSpec(f"l{layer}", (shards * 2, 4), torch.float32)
+        src.append(rs.Layout.from_placements(spec, holders, (len(holders),), [rs.Replicate()]))
+        dst.append(rs.Layout.from_placements(spec, list(range(4, 4 + shards)), (shards,), [rs.Shard(0)]))
+    source, destination = rs.Layout.merge(src), rs.Layout.merge(dst)
+    domains = domain_array(4 + shards, gpus_per_domain)
+    tensors = [n for n, t in destination.tables.items() if len(t)]
+    groups = group_tensors(source, destination, tensors)
+    items = groups[0].items
+    starts, counts = items.cand_start[groups[0].choice_cols], items.cand_count[groups[0].choice_cols]
+    assert (starts == starts[0]).all() and (counts == counts[0]).all() and len(starts) >= BULK_COLUMNS
+    homes = near_homes(groups[0], candidate_ranks(groups[0], source), domains)
+    assert -1 in homes and any(h >= 0 for h in homes)  # near and far columns both
+    expected = chosen(source, destination, domains, OneColumnAtATime)
+    assert chosen(source, destination, domains, _SourceChooser) == expected
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sources, "BULK_COLUMNS", 10 ** 6)  # the per-column paths (no shared candidate set)
         assert chosen(source, destination, domains, _SourceChooser) == expected
 
 

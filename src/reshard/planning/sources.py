@@ -102,12 +102,25 @@ def _near_homes(group: GeometryGroup, source: Layout, domains: np.ndarray) -> li
     items, cols = group.items, group.choice_cols
     homes = domains[group.dst_rank[cols]]
     counts = items.cand_count[cols]
+    span = _one_span(items.cand_start[cols], counts)
+    if span is not None:  # every column has the same candidates: the domains they lie in, once
+        at = items.candidates[span[0]: span[0] + span[1]]
+        near = np.isin(homes, domains[source.tables[group.tensors[0]].ranks[at]])
+        return np.where(near, homes, -1).tolist()
     column = np.repeat(np.arange(len(cols)), counts)
     at = np.repeat(items.cand_start[cols] - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts) + np.arange(len(column))
     ranks = source.tables[group.tensors[0]].ranks[items.candidates[at]]
     near = np.zeros(len(cols), bool)
     near[column[domains[ranks] == homes[column]]] = True
     return np.where(near, homes, -1).tolist()
+
+
+def _one_span(starts: np.ndarray, counts: np.ndarray) -> tuple[int, int] | None:
+    """(start, count) shared by every column of a group whose columns all have the same candidates, else
+    None (a group's columns that the relay plan deals: one box's seeds, for every domain that takes it)."""
+    if len(starts) < BULK_COLUMNS or (starts != starts[0]).any() or (counts != counts[0]).any():
+        return None
+    return int(starts[0]), int(counts[0])
 
 
 def _by_load(pool, ranks: list[int], load: list[int], count: int) -> list[int]:
@@ -240,7 +253,10 @@ class _SourceChooser:
             homes = (_near_homes(group, self.source, self.domains) if self.domain_of is not None
                      else [-1] * len(cols))
             starts, counts = items.cand_start[cols], items.cand_count[cols]
-            if len(cols) < BULK_COLUMNS:
+            span = _one_span(starts, counts)
+            if span is not None:
+                ids = self._one_candidate_set(ranks[span[0]: span[0] + span[1]], homes)
+            elif len(cols) < BULK_COLUMNS:
                 flat = ranks.tolist()
                 ids = [self._pool_id(tuple(flat[a: a + n]), home)
                        for a, n, home in zip(starts.tolist(), counts.tolist(), homes)]
@@ -259,17 +275,34 @@ class _SourceChooser:
             self.orders[index] = [[]] * len(cols)
         return ids
 
-    def _pool_id(self, ranks: tuple[int, ...], home: int) -> int:
+    def _one_candidate_set(self, ranks: np.ndarray, homes: list[int]) -> list[int]:
+        """The pool id of each column of a group whose columns all have the candidate ``ranks`` (``homes``:
+        :func:`_near_homes`): one pool per distinct home, its near positions found by one sort."""
+        candidates = tuple(ranks.tolist())
+        distinct, inverse = np.unique(np.array(homes, np.int64), return_inverse=True)
+        near: list[list[int] | None] = [None] * len(distinct)
+        if self.domains is not None and (distinct >= 0).any():
+            where = self.domains[ranks]
+            order = np.argsort(where, kind="stable")  # positions by domain, ascending within one
+            low = np.searchsorted(where[order], distinct, "left").tolist()
+            high = np.searchsorted(where[order], distinct, "right").tolist()
+            near = [order[a:b].tolist() if home >= 0 else None for home, a, b in zip(distinct.tolist(), low, high)]
+        interned = [self._pool_id(candidates, home, positions) for home, positions in zip(distinct.tolist(), near)]
+        return np.array(interned, np.int64)[inverse.reshape(-1)].tolist()
+
+    def _pool_id(self, ranks: tuple[int, ...], home: int, near: list[int] | None = None) -> int:
         """The id of the pool of a column with candidate ``ranks`` whose destination's domain is ``home``
         where a candidate lies in it (else -1): the near candidates and the near load there, else all
-        and the load out of the domain."""
+        and the load out of the domain. ``near``: the positions of the candidates in ``home``, where
+        known."""
         key = (ranks, home)
         found = self.pool_ids.get(key)
         if found is None:
             candidates = list(ranks)
             positions: range | list[int] = range(len(candidates))
             if home >= 0:
-                positions = [x for x in positions if self.domain_of[candidates[x]] == home]
+                positions = near if near is not None else [x for x in positions
+                                                           if self.domain_of[candidates[x]] == home]
             found = self.pool_ids[key] = len(self.pools)
             self.pools.append(_Pool(candidates, positions, home >= 0, [candidates[x] for x in positions]))
         return found
