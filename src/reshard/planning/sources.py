@@ -102,11 +102,6 @@ def _near_homes(group: GeometryGroup, source: Layout, domains: np.ndarray) -> li
     items, cols = group.items, group.choice_cols
     homes = domains[group.dst_rank[cols]]
     counts = items.cand_count[cols]
-    span = _one_span(items.cand_start[cols], counts)
-    if span is not None:  # every column has the same candidates: the domains they lie in, once
-        at = items.candidates[span[0]: span[0] + span[1]]
-        near = np.isin(homes, domains[source.tables[group.tensors[0]].ranks[at]])
-        return np.where(near, homes, -1).tolist()
     column = np.repeat(np.arange(len(cols)), counts)
     at = np.repeat(items.cand_start[cols] - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts) + np.arange(len(column))
     ranks = source.tables[group.tensors[0]].ranks[items.candidates[at]]
@@ -250,44 +245,50 @@ class _SourceChooser:
             group = self.groups[index]
             items, cols = group.items, group.choice_cols
             ranks = self.source.tables[group.tensors[0]].ranks[items.candidates]  # of every candidate
-            homes = (_near_homes(group, self.source, self.domains) if self.domain_of is not None
-                     else [-1] * len(cols))
             starts, counts = items.cand_start[cols], items.cand_count[cols]
             span = _one_span(starts, counts)
             if span is not None:
-                ids = self._one_candidate_set(ranks[span[0]: span[0] + span[1]], homes)
-            elif len(cols) < BULK_COLUMNS:
-                flat = ranks.tolist()
-                ids = [self._pool_id(tuple(flat[a: a + n]), home)
-                       for a, n, home in zip(starts.tolist(), counts.tolist(), homes)]
-            else:  # columns alike found with numpy, each distinct one interned once
-                found = np.zeros(len(cols), np.int64)
-                homes_array = np.array(homes, np.int64)
-                for n in np.unique(counts).tolist():
-                    some = np.flatnonzero(counts == n)
-                    rows = np.concatenate([ranks[starts[some][:, None] + np.arange(n)], homes_array[some][:, None]],
-                                          axis=1)
-                    first, inverse = _distinct_rows(rows)
-                    interned = [self._pool_id(tuple(row[:-1]), row[-1]) for row in rows[first].tolist()]
-                    found[some] = np.array(interned, np.int64)[inverse]
-                ids = found.tolist()
+                ids = self._one_candidate_set(group, ranks[span[0]: span[0] + span[1]])
+            else:
+                ids = self._column_pools(group, ranks, starts, counts)
             self.pool_of[index] = ids
             self.orders[index] = [[]] * len(cols)
         return ids
 
-    def _one_candidate_set(self, ranks: np.ndarray, homes: list[int]) -> list[int]:
-        """The pool id of each column of a group whose columns all have the candidate ``ranks`` (``homes``:
-        :func:`_near_homes`): one pool per distinct home, its near positions found by one sort."""
+    def _column_pools(self, group: GeometryGroup, ranks: np.ndarray, starts: np.ndarray, counts: np.ndarray
+                      ) -> list[int]:
+        """The pool id of each choice column of ``group`` (``ranks``: of every candidate; ``starts``,
+        ``counts``: each column's candidates among them), column by column."""
+        homes = (_near_homes(group, self.source, self.domains) if self.domain_of is not None
+                 else [-1] * len(starts))
+        if len(starts) < BULK_COLUMNS:
+            flat = ranks.tolist()
+            return [self._pool_id(tuple(flat[a: a + n]), home)
+                    for a, n, home in zip(starts.tolist(), counts.tolist(), homes)]
+        found = np.zeros(len(starts), np.int64)  # columns alike found with numpy, each distinct one interned once
+        homes_array = np.array(homes, np.int64)
+        for n in np.unique(counts).tolist():
+            some = np.flatnonzero(counts == n)
+            rows = np.concatenate([ranks[starts[some][:, None] + np.arange(n)], homes_array[some][:, None]], axis=1)
+            first, inverse = _distinct_rows(rows)
+            interned = [self._pool_id(tuple(row[:-1]), row[-1]) for row in rows[first].tolist()]
+            found[some] = np.array(interned, np.int64)[inverse]
+        return found.tolist()
+
+    def _one_candidate_set(self, group: GeometryGroup, ranks: np.ndarray) -> list[int]:
+        """The pool id of each choice column of ``group``, whose columns all have the candidate ``ranks``:
+        one pool per destination domain holding a candidate (its near positions found by one sort), one
+        for all the others (as :func:`_near_homes` decides, once per domain instead of per column)."""
         candidates = tuple(ranks.tolist())
-        distinct, inverse = np.unique(np.array(homes, np.int64), return_inverse=True)
-        near: list[list[int] | None] = [None] * len(distinct)
-        if self.domains is not None and (distinct >= 0).any():
-            where = self.domains[ranks]
-            order = np.argsort(where, kind="stable")  # positions by domain, ascending within one
-            low = np.searchsorted(where[order], distinct, "left").tolist()
-            high = np.searchsorted(where[order], distinct, "right").tolist()
-            near = [order[a:b].tolist() if home >= 0 else None for home, a, b in zip(distinct.tolist(), low, high)]
-        interned = [self._pool_id(candidates, home, positions) for home, positions in zip(distinct.tolist(), near)]
+        if self.domains is None:
+            return [self._pool_id(candidates, -1)] * len(group.choice_cols)
+        where = self.domains[ranks]
+        order = np.argsort(where, kind="stable")  # positions by domain, ascending within one
+        distinct, inverse = np.unique(self.domains[group.dst_rank[group.choice_cols]], return_inverse=True)
+        low = np.searchsorted(where[order], distinct, "left").tolist()
+        high = np.searchsorted(where[order], distinct, "right").tolist()
+        interned = [self._pool_id(candidates, home, order[a:b].tolist()) if b > a else self._pool_id(candidates, -1)
+                    for home, a, b in zip(distinct.tolist(), low, high)]
         return np.array(interned, np.int64)[inverse.reshape(-1)].tolist()
 
     def _pool_id(self, ranks: tuple[int, ...], home: int, near: list[int] | None = None) -> int:
