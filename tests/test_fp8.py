@@ -23,7 +23,7 @@ import reshard as rs
 from reshard.execution.precision import PrecisionExecutor
 from reshard.execution.process_group import free_port
 from reshard.planning.precision import (DESTINATION, SOURCE, Cast, DtypePolicy, FP8Block, Keep, PrecisionPlan,
-                                        precision_layout)
+                                        layout_precisions, precision_layout)
 from reshard.quant import FP8_DTYPE, FP8_MAX, quantize_blocks, scale_name
 
 from strategies import run_precision_or_refused
@@ -621,3 +621,25 @@ def check_vllm(family: str, tp: int) -> list[str]:
 @pytest.mark.parametrize("family,tp", [("qwen3", 2), ("qwen3_moe", 2)])
 def test_fp8_layouts_match_vllm_block_fp8_loaders(vllm_worker, family, tp):
     run_in_worker(vllm_worker, check_vllm, family, tp)
+
+
+def test_tensors_sharing_piece_arrays_each_get_their_own_scale_buffers():
+    """Layout builders share piece arrays among tensors alike (a model's experts); the FP8 layout checks
+    and scales them once per arrays, yet every scale table names its own tensor's buffers."""
+    from reshard.frameworks.parallel import model_layouts
+    from reshard.models import tiny_arch
+    from reshard.planning.fp8_layout import scale_table
+
+    destination = model_layouts(tiny_arch("qwen3-30b-a3b"), "ep2", "tp2,dp2,independent").destination
+    policy = DtypePolicy.fp8(block=(16, 16))
+    held = precision_layout(destination, policy)
+    fp8 = [n for n, p in layout_precisions(destination, policy).items() if isinstance(p, FP8Block)]
+    ids = [id(destination.tables[n].offsets) for n in fp8]
+    assert len(set(ids)) < len(ids) / 4  # most FP8 tensors share their arrays with others
+    for name in fp8:
+        alone = scale_table(destination.tables[name], (16, 16))  # worked out for this tensor alone
+        got = held.tables[scale_name(name)]
+        own = tuple(b + "_scale_inv" for b in destination.tables[name].buffers)
+        assert tuple(got.buffers) == tuple(alone.buffers) == own
+        for field in ("ranks", "offsets", "sizes", "buffer_offsets"):
+            assert np.array_equal(getattr(got, field), getattr(alone, field)), (name, field)

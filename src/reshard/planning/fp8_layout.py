@@ -68,10 +68,13 @@ def scale_table(table: PieceTable, block, suffix: str = SCALE_SUFFIX) -> PieceTa
     grid_hi = -(-(table.offsets + table.sizes) // block_size)
     buffer_offsets = table.buffer_offsets.copy()
     buffer_offsets[:, -2:] //= block_size
+    return PieceTable(table.ranks, grid_lo, grid_hi - grid_lo, _scale_names(table, suffix), buffer_offsets)
+
+
+def _scale_names(table: PieceTable, suffix: str):
+    """The buffer names of ``table``'s scale pieces: each piece's buffer name plus ``suffix``."""
     one = table.one_buffer()
-    names = (Repeated(one + suffix, len(table)) if one is not None
-             else tuple(buffer + suffix for buffer in table.buffers))
-    return PieceTable(table.ranks, grid_lo, grid_hi - grid_lo, names, buffer_offsets)
+    return Repeated(one + suffix, len(table)) if one is not None else tuple(buffer + suffix for buffer in table.buffers)
 
 
 def _check_precisions(destination: Layout, precisions: Mapping[str, Precision]) -> None:
@@ -127,19 +130,27 @@ def _engine_tensors(destination: Layout, precisions: Mapping[str, Precision]
     """Specs and piece tables under the policy: FP8 tensors in float8_e4m3fn (whole blocks checked)
     followed by their ``_scale_inv`` tensors; the others unchanged."""
     specs, tables = {}, {}
-    scale_tables: dict[tuple, PieceTable] = {}  # tensors sharing piece arrays share their scale table
+    # tables sharing piece arrays (tables stay alive while this runs: ids are unique) hold whole blocks
+    # alike, and share their scale tables' arrays; only the buffer names are each tensor's own
+    whole: set[tuple] = set()
+    scale_arrays: dict[tuple, PieceTable] = {}
     for name, spec in destination.specs.items():
         precision, table = precisions[name], destination.tables[name]
         if not isinstance(precision, FP8Block):
             specs[name], tables[name] = spec, table
             continue
-        check_whole_blocks(name, table, spec.shape, precision.block)
+        boxes = (id(table.offsets), id(table.sizes), id(table.buffer_offsets), spec.shape, precision.block)
+        if boxes not in whole:
+            check_whole_blocks(name, table, spec.shape, precision.block)
+            whole.add(boxes)
         specs[name], tables[name] = TensorSpec(name, spec.shape, FP8_DTYPE), table
-        key = (id(table.ranks), id(table.offsets), id(table.sizes), id(table.buffer_offsets), table.one_buffer(),
-               precision.block, precision.scale_suffix)  # tables stay alive while this runs: ids are unique
-        scales = scale_tables.get(key)
-        if scales is None or scales.buffers != tuple(precision.scale_name(buffer) for buffer in table.buffers):
-            scales = scale_tables[key] = scale_table(table, precision.block, precision.scale_suffix)
+        key = (id(table.ranks),) + boxes + (precision.scale_suffix,)
+        first = scale_arrays.get(key)
+        if first is None:
+            scales = scale_arrays[key] = scale_table(table, precision.block, precision.scale_suffix)
+        else:  # the first one's arrays (and geometry key) under this tensor's buffer names
+            scales = PieceTable(first.ranks, first.offsets, first.sizes, _scale_names(table, precision.scale_suffix),
+                                first.buffer_offsets, first.geometry_key())
         scale = precision.scale_name(name)
         specs[scale] = TensorSpec(scale, grid_shape(spec.shape, precision.block), precision.scale_dtype)
         tables[scale] = scales
