@@ -47,4 +47,21 @@ def sum_by_code(codes: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.
     return distinct, np.bincount(inverse, weights=np.asarray(weights).reshape(-1), minlength=len(distinct))
 
 
-__all__ = ["distinct_codes", "sum_by_code"]
+def sum_rows_by_code(codes: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(distinct codes ascending, the rows [n, k] summed per code)``: ``np.add.at`` along the first
+    axis, by one sort and ``np.add.reduceat`` (several times faster on the cost model's few long rows;
+    flattening each row into codes for :func:`sum_by_code` is not). Integer rows sum exactly in any order.
+
+    >>> keys, sums = sum_rows_by_code(np.array([2, 0, 2]), np.array([[1, 2], [3, 4], [5, 6]]))
+    >>> keys.tolist(), sums.tolist()
+    ([0, 2], [[3, 4], [6, 8]])
+    """
+    if not len(codes):
+        return codes, rows[:0]
+    order = np.argsort(codes, kind="stable")
+    codes = codes[order]
+    starts = np.flatnonzero(np.concatenate([[True], codes[1:] != codes[:-1]]))
+    return codes[starts], np.add.reduceat(rows[order], starts, axis=0)
+
+
+__all__ = ["distinct_codes", "sum_by_code", "sum_rows_by_code"]

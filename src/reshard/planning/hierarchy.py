@@ -46,7 +46,7 @@ import numpy as np
 from ..gc_pause import without_gc
 from ..layout import Layout, PieceTable, Repeated, read_only
 from ..tensors import itemsize
-from .code_sums import sum_by_code
+from .code_sums import sum_by_code, sum_rows_by_code
 from .geometry_groups import SMALL_TABLES
 from .pair_arrays import PairArrays
 from .plan import Plan, domain_array
@@ -449,7 +449,7 @@ def _family_codes(members: list, frac: np.ndarray, rotation: np.ndarray, chunks:
     if len(fixed):  # [member, chunk, item]: bytes per rotation, then turned into each chunk
         pair = np.stack([g.rank for g in groups])[:, fixed] * width + np.stack([g.dst_rank for g in groups])[:, fixed]
         per_rot = np.zeros((len(members) * chunks, len(fixed)))
-        at, sums = _row_sums(member_of * chunks + rot, instance_bytes(fixed))
+        at, sums = sum_rows_by_code(member_of * chunks + rot, instance_bytes(fixed))
         per_rot[at] = sums
         per_rot = per_rot.reshape(len(members), chunks, len(fixed))
         share = frac[:, fixed]
@@ -474,22 +474,6 @@ def _family_codes(members: list, frac: np.ndarray, rotation: np.ndarray, chunks:
         live = weight != 0
         codes.append((chunk * w2 + pair[None, :])[live])
         weights.append(weight[live])
-
-
-def _row_sums(index: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(each distinct ``index``, the sum of the rows of ``values`` [n, k] at it): ``np.add.at`` along
-    the first axis, by a sort (integer bytes: exact in any order).
-
-    >>> at, sums = _row_sums(np.array([2, 0, 2]), np.array([[1, 2], [3, 4], [5, 6]]))
-    >>> at.tolist(), sums.tolist()
-    ([0, 2], [[3, 4], [6, 8]])
-    """
-    if not len(index):
-        return index, values[:0]
-    order = np.argsort(index, kind="stable")
-    index = index[order]
-    starts = np.flatnonzero(np.concatenate([[True], index[1:] != index[:-1]]))
-    return index[starts], np.add.reduceat(values[order], starts, axis=0)
 
 
 def cross_domain_bytes(pair_bytes: Mapping[tuple[int, int], int], domains: Mapping[int, int]) -> dict[int, int]:
