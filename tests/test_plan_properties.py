@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import reshard as rs
+from reshard.planning.baseline import gather_broadcast_bytes, gather_plan
 from reshard.planning.rank_plan import rows_by_rank
 from reshard.tensors import Piece
 
@@ -392,3 +393,26 @@ def test_max_bucket_bytes_below_minimum_is_rejected():
     lay = rs.Layout.from_placements(spec, [0], (1,), [rs.Replicate()])
     with pytest.raises(ValueError, match="max_bucket_bytes"):
         rs.plan(lay, lay, max_bucket_bytes=15)  # below one aligned element
+
+
+@given(S.layout_pairs())
+def test_gather_bytes_are_the_gather_plans_wire(case):
+    """gather_broadcast_bytes counts the gather from the boxes its root holds, without planning it: the
+    gather plan's own wire bytes, whichever source rank gathers."""
+    plan = rs.plan(case.source, case.destination)
+    for root in plan.source.ranks:
+        assert gather_broadcast_bytes(plan, root)["gather"] == gather_plan(plan, root).wire_bytes, root
+
+
+def test_gather_bytes_where_the_root_holds_overlapping_boxes():
+    spec = _spec((10, 6))
+    src = rs.Layout.merge([
+        rs.Layout.from_pieces([spec], [Piece("w", (0, 0), (7, 6), "a", (0, 0), 0),
+                                       Piece("w", (4, 0), (6, 6), "b", (0, 0), 0)]),
+        rs.Layout.from_pieces([spec], [Piece("w", (0, 0), (10, 6), "c", (0, 0), 1)]),
+    ])
+    plan = rs.plan(src, rs.Layout.from_placements(spec, [2, 3], (2,), [rs.Shard(0)]))
+    # rank 0 holds every row (rows 4:7 twice): nothing to gather; rank 1 lacks nothing either
+    assert gather_broadcast_bytes(plan, 0) == {"gather": 0, "broadcast": 2 * 60 * 4} == {
+        "gather": gather_plan(plan, 0).wire_bytes, "broadcast": 2 * 60 * 4}
+    assert gather_broadcast_bytes(plan, 1)["gather"] == gather_plan(plan, 1).wire_bytes == 0

@@ -43,13 +43,14 @@ def default_root(plan: Plan) -> int:
     return min(plan.source.ranks)
 
 
-def gather_layout(plan: Plan, root: int) -> Layout:
-    """Full tensors on ``root``, each in a buffer named after it, in the destination's dtype (built as
-    tables: tensors of one shape share their piece arrays; no layout built and checked per tensor)."""
+def gather_layout(plan: Plan, root: int, tensors: list[str] | None = None) -> Layout:
+    """Full tensors on ``root`` (``plan``'s, or ``tensors``), each in a buffer named after it, in the
+    destination's dtype (built as tables: tensors of one shape share their piece arrays; no layout
+    built and checked per tensor)."""
     specs, tables, buffers = {}, {}, {}
     shared: dict[tuple[int, ...], tuple[np.ndarray, ...]] = {}  # per shape: offsets, sizes, buffer offsets
     ranks = read_only((np.array([root], np.int64),))[0]
-    for name in plan.tensors:
+    for name in plan.tensors if tensors is None else tensors:
         spec = plan.destination.specs[name]
         t = plan.destination.tables[name]
         dtype = plan.destination.buffer_spec(int(t.ranks[0]), t.buffers[0])[1]
@@ -144,13 +145,63 @@ def gather_broadcast_plan(plan: Plan, root: int | None = None) -> GatherBroadcas
 
 
 def gather_broadcast_bytes(plan: Plan, root: int | None = None) -> dict[str, int]:
-    """Logical bytes the baseline moves: ``gather`` (to root), ``broadcast`` (root to each destination)."""
+    """Logical bytes the baseline moves: ``gather`` (to root), ``broadcast`` (root to each destination).
+
+    The gather moves every element of a tensor that ``root`` does not hold already, in the dtype
+    :func:`gather_layout` gives it: counted from the boxes ``root`` holds, once per set of source
+    arrays that tables share, without planning the gather (the :func:`gather_plan`'s wire bytes; a
+    tensor whose boxes on ``root`` overlap is planned, as the sum of boxes would count the overlap twice).
+    """
     root = default_root(plan) if root is None else root
-    gather = gather_plan(plan, root)
-    receivers = [r for r in plan.destination.ranks if r != root]
-    full = sum(gather.destination.specs[n].numel * gather.destination.buffer_spec(root, n)[1].itemsize
-               for n in plan.tensors)
-    return {"gather": gather.wire_bytes, "broadcast": full * len(receivers)}
+    source, destination = plan.source, plan.destination
+    single = destination.single_itemsize
+    held: dict[tuple, int | None] = {}  # source arrays (alive meanwhile) -> elements root holds (None: overlap)
+    full = gathered = 0
+    planned: list[str] = []
+    for name in plan.tensors:
+        st = source.tables[name]
+        ids = (id(st.ranks), id(st.offsets), id(st.sizes))
+        local = held[ids] if ids in held else held.setdefault(ids, _elements_held(st, root))
+        if local is None:
+            planned.append(name)
+            continue
+        numel = destination.specs[name].numel
+        isz = single if single is not None else _first_itemsize(destination, name)
+        full += numel * isz
+        gathered += (numel - local) * isz
+    if planned:
+        gathered += Plan(source, gather_layout(plan, root, planned)).wire_bytes
+        full += sum(destination.specs[n].numel * _first_itemsize(destination, n) for n in planned)
+    receivers = [r for r in destination.ranks if r != root]
+    return {"gather": gathered, "broadcast": full * len(receivers)}
+
+
+def _first_itemsize(layout: Layout, name: str) -> int:
+    """Bytes per element of the buffer that the first piece of tensor ``name`` lives in (the dtype
+    :func:`gather_layout` gives the tensor's full buffer)."""
+    t = layout.tables[name]
+    return layout.buffer_spec(int(t.ranks[0]), t.buffers[0])[1].itemsize
+
+
+def _elements_held(table: PieceTable, rank: int) -> int | None:
+    """Elements of the tensor that ``rank`` holds in ``table`` (replicas of a box once); None where
+    two distinct boxes on it overlap.
+
+    >>> t = PieceTable(np.array([0, 0, 1]), np.array([[0], [0], [4]]), np.array([[4], [4], [4]]), ("w",) * 3,
+    ...                np.zeros((3, 1), np.int64))
+    >>> _elements_held(t, 0), _elements_held(t, 1), _elements_held(t, 2)
+    (4, 4, 0)
+    """
+    mine = table.ranks == rank
+    if not mine.any():
+        return 0
+    boxes = np.unique(np.concatenate([table.offsets[mine], table.sizes[mine]], axis=1), axis=0)
+    lo, size = np.split(boxes, 2, axis=1)
+    hi = lo + size
+    overlap = (lo[:, None, :] < hi[None, :, :]) & (lo[None, :, :] < hi[:, None, :])  # [box, box, dim]
+    if (overlap.all(axis=2).sum() > len(boxes)):  # a pair of distinct boxes overlaps (besides each with itself)
+        return None
+    return int(size.prod(axis=1).sum())
 
 
 def gather_sends(plan: Plan, root: int | None = None) -> tuple[list[str], list[int], list[dict[int, int]]]:

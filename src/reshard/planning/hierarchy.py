@@ -595,15 +595,19 @@ def _subset(t: PieceTable, rows: np.ndarray, shared: tuple[np.ndarray, ...], cac
     over one split, so that tables sharing buffer offsets share the restricted ones too (by identity:
     the cache holds both arrays, so neither id is reused while it lives, even where the caller
     lets ``rows`` go)."""
-    b = t.one_buffer()
-    names = Repeated(b, len(rows)) if b is not None else tuple(t.buffers[r] for r in rows.tolist())
+    b = t.buffers
+    if type(b) is Repeated and b.n:  # one buffer name (the common case, once per tensor: kept short)
+        names = Repeated(b.name, len(rows))
+    else:
+        one = t.one_buffer()
+        names = Repeated(one, len(rows)) if one is not None else tuple(b[r] for r in rows.tolist())
     if cache is None:
-        return PieceTable(*shared, names, t.buffer_offsets[rows])
+        return PieceTable(shared[0], shared[1], shared[2], names, t.buffer_offsets[rows])
     key = (id(t.buffer_offsets), id(rows))
     hit = cache.get(key)
     if hit is None:
         hit = cache[key] = (t.buffer_offsets, rows, read_only((t.buffer_offsets[rows],))[0])
-    return PieceTable(*shared, names, hit[2])
+    return PieceTable(shared[0], shared[1], shared[2], names, hit[2])
 
 
 def split_receivers(destination: Layout, domains: Mapping[int, int]) -> tuple[Layout, Layout]:
@@ -615,9 +619,14 @@ def split_receivers(destination: Layout, domains: Mapping[int, int]) -> tuple[La
     """
     dom = domain_array(domains, destination.ranks)
     by_geometry: dict[bytes, list[str]] = {}
+    keys: dict[tuple, bytes] = {}  # tables of the same arrays (alive meanwhile): one geometry key
     for name, t in destination.tables.items():
-        if len(t):
-            by_geometry.setdefault(t.geometry_key(), []).append(name)
+        if len(t.ranks):
+            ids = (id(t.ranks), id(t.offsets), id(t.sizes))
+            key = keys.get(ids)
+            if key is None:
+                key = keys[ids] = t.geometry_key()
+            by_geometry.setdefault(key, []).append(name)
     load = [0] * len(dom)
     work = []  # (-bytes, geometry index, cluster members)
     geoms = []
@@ -655,7 +664,7 @@ def split_receivers(destination: Layout, domains: Mapping[int, int]) -> tuple[La
         cache: dict[tuple[int, ...], tuple] = {}
         orders = [dealt[(gi, ci)] for ci in range(len(clusters))]
         for i, name in enumerate(names):
-            chosen = tuple(order[i % len(order)] for order in orders)
+            chosen = tuple([order[i % len(order)] for order in orders])
             hit = cache.get(chosen)
             if hit is None:
                 keep = single.copy()

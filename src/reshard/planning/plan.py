@@ -326,6 +326,7 @@ class Plan:
         digest = hashlib.sha256(f"reshard-plan-{PLAN_FORMAT}-{self.round_bytes}".encode())
         if self.domains is not None:
             digest.update(b"domains" + self.domains.tobytes())
+        src_tables, dst_tables = self.source.tables, self.destination.tables
         for group in self._groups:
             items = group.items
             for array in (items.kind, items.dst_piece, items.offsets, items.sizes, group.piece, group.rank,
@@ -334,9 +335,9 @@ class Plan:
             chunks = []  # the tensors' names, buffer names and offsets, hashed in one update
             for name in group.tensors:
                 chunks.append(name.encode() + b"\0")
-                for layout in (self.source, self.destination):
-                    table = layout.tables[name]
-                    chunks.append(_joined(table.buffers).encode())
+                for tables in (src_tables, dst_tables):
+                    table = tables[name]
+                    chunks.extend(_joined(table.buffers))
                     chunks.append(table.buffer_offsets.tobytes())
             digest.update(b"".join(chunks))
         for layout in (self.source, self.destination):
@@ -366,11 +367,19 @@ class Plan:
         return self.quotas if self.max_bucket_bytes is not None else {}
 
 
-def _joined(names) -> str:
-    """``"\\0".join(names)``, without a pass over a :class:`Repeated` name."""
+def _joined(names) -> tuple[bytes, ...]:
+    """``"\\0".join(names)`` encoded, as parts to join (a :class:`Repeated` name without a pass over
+    it, nor a copy of the whole).
+
+    >>> b"".join(_joined(Repeated("w", 3))), b"".join(_joined(("a", "b"))), _joined(Repeated("w", 0))
+    (b'w\\x00w\\x00w', b'a\\x00b', ())
+    """
     if type(names) is Repeated:
-        return ((names.name + "\0") * names.n)[:-1]
-    return "\0".join(names)
+        if not names.n:
+            return ()
+        one = names.name.encode()
+        return one, (b"\0" + one) * (names.n - 1)
+    return ("\0".join(names).encode(),)
 
 
 def plan(source: Layout, destination: Layout, *, max_bucket_bytes: int | None = None,
