@@ -22,10 +22,14 @@ def precision_summary(p: Plan, precision=None) -> dict:
     :class:`~reshard.planning.precision.PrecisionPlan` (None: the plain plan ``p``, all ``other``)."""
     if precision is None:
         by_dtype: dict[str, int] = {}
+        by_object: dict = {}  # dtype -> bytes, named once per dtype after
+        dtypes, specs = p.destination.buffer_dtypes, p.destination.specs
         for name, b in p.tensor_wire_bytes().items():
             if b:
-                d = dtype_name(p.destination.buffer_dtypes(name).uniform or p.destination.specs[name].dtype)
-                by_dtype[d] = by_dtype.get(d, 0) + b
+                d = dtypes(name).uniform or specs[name].dtype
+                by_object[d] = by_object.get(d, 0) + b
+        for d, b in by_object.items():
+            by_dtype[dtype_name(d)] = by_dtype.get(dtype_name(d), 0) + b
         return {"wire_bytes_by_precision": {"fp8": 0, "scales": 0, "raw": 0, "other": p.wire_bytes},
                 "wire_bytes_by_dtype": dict(sorted(by_dtype.items())), "fp8_tensors": 0,
                 "blocks": {"at_source": 0, "assembled": 0, "at_destination": 0}, "assembly_bytes": 0}

@@ -496,11 +496,19 @@ def domain_need_bytes(destination: Layout, domains: Mapping[int, int]) -> dict[i
     """
     dom = domain_array(domains, destination.ranks)
     tensors: dict[tuple, list] = {}  # (geometry, itemsize) -> [a table, how many tensors, its dtypes]; in tensor order
+    keys: dict[tuple, bytes] = {}  # tables of the same arrays (alive meanwhile): one geometry key
     for name, t in destination.tables.items():
-        if not len(t):
+        if not len(t.ranks):
             continue
         found = destination.buffer_dtypes(name)
-        key = (t.geometry_key(), found.uniform.itemsize) if found.uniform is not None else (name,)
+        if found.uniform is not None:
+            ids = (id(t.ranks), id(t.offsets), id(t.sizes))
+            geometry = keys.get(ids)
+            if geometry is None:
+                geometry = keys[ids] = t.geometry_key()
+            key = (geometry, found.uniform.itemsize)
+        else:
+            key = (name,)
         hit = tensors.get(key)
         if hit is None:
             tensors[key] = [t, 1, found]
