@@ -48,7 +48,7 @@ from .rank_plan import RankPlan, RankPlanBuilder
 from .schedule import ALIGN, ROUNDS_IN_FLIGHT, Copy, check_max_bucket_bytes, pair_quotas, round_cap
 from .sources import choose_sources
 
-PLAN_FORMAT = 2  # 2: staging quotas in proportion to each stream's bytes
+PLAN_FORMAT = 3  # 2: staging quotas in proportion to each stream's bytes; 3: arrays hashed by digest
 
 
 def check_pair(source: Layout, destination: Layout) -> None:
@@ -326,19 +326,21 @@ class Plan:
         digest = hashlib.sha256(f"reshard-plan-{PLAN_FORMAT}-{self.round_bytes}".encode())
         if self.domains is not None:
             digest.update(b"domains" + self.domains.tobytes())
+        digests = _ArrayDigests()
         src_tables, dst_tables = self.source.tables, self.destination.tables
         for group in self._groups:
             items = group.items
-            for array in (items.kind, items.dst_piece, items.offsets, items.sizes, group.piece, group.rank,
-                          group.dst_rank, group.nbytes, group.choice_cols, group.choice_piece, group.choice_rank):
-                digest.update(np.ascontiguousarray(array))  # its memory: the bytes of tobytes()
-            chunks = []  # the tensors' names, buffer names and offsets, hashed in one update
-            for name in group.tensors:
+            chunks = [digests.of(array) for array in (
+                items.kind, items.dst_piece, items.offsets, items.sizes, group.piece, group.rank, group.dst_rank,
+                group.nbytes, group.choice_cols, group.choice_piece, group.choice_rank)]
+            for name in group.tensors:  # the tensors' names, buffer names and offsets (kept short: per tensor)
                 chunks.append(name.encode() + b"\0")
                 for tables in (src_tables, dst_tables):
                     table = tables[name]
-                    chunks.extend(_joined(table.buffers))
-                    chunks.append(table.buffer_offsets.tobytes())
+                    names = table.buffers
+                    chunks.append(b"\3" + names.name.encode() + b"\1" if type(names) is Repeated and names.n
+                                  else _buffer_names(names))
+                    chunks.append(digests.of(table.buffer_offsets))
             digest.update(b"".join(chunks))
         for layout in (self.source, self.destination):
             texts: dict[int, bytes] = {}  # id of a shared mapping -> its text (ranks alike share one)
@@ -367,19 +369,42 @@ class Plan:
         return self.quotas if self.max_bucket_bytes is not None else {}
 
 
-def _joined(names) -> tuple[bytes, ...]:
-    """``"\\0".join(names)`` encoded, as parts to join (a :class:`Repeated` name without a pass over
-    it, nor a copy of the whole).
+class _ArrayDigests:
+    """A digest of each array's shape, dtype and contents, worked out once per array (by identity:
+    arrays that tables and groups alike share; every array hashed stays alive while this lives).
+    Equal contents give equal digests however the arrays are shared, so ranks that built their
+    layouts differently still agree.
 
-    >>> b"".join(_joined(Repeated("w", 3))), b"".join(_joined(("a", "b"))), _joined(Repeated("w", 0))
-    (b'w\\x00w\\x00w', b'a\\x00b', ())
+    >>> d = _ArrayDigests()
+    >>> a = np.arange(4)
+    >>> d.of(a) == d.of(a.copy()) != d.of(a.reshape(2, 2)), len(d.of(a))
+    (True, 32)
     """
-    if type(names) is Repeated:
-        if not names.n:
-            return ()
-        one = names.name.encode()
-        return one, (b"\0" + one) * (names.n - 1)
-    return ("\0".join(names).encode(),)
+
+    def __init__(self) -> None:
+        self._found: dict[int, tuple[np.ndarray, bytes]] = {}  # id -> (the array, held: its id stays unique)
+
+    def of(self, array: np.ndarray) -> bytes:
+        hit = self._found.get(id(array))
+        if hit is None:
+            h = hashlib.sha256(f"{array.dtype.str}{array.shape}".encode())
+            h.update(np.ascontiguousarray(array))  # its memory: the bytes of tobytes()
+            hit = self._found[id(array)] = (array, h.digest())
+        return hit[1]
+
+
+def _buffer_names(names) -> bytes:
+    """Buffer names as hashed: the one name where all are one (a :class:`Repeated` or a tuple alike:
+    they are equal; how many, the buffer offsets' shape says), else all of them.
+
+    >>> _buffer_names(Repeated("w", 3)) == _buffer_names(("w", "w", "w")) != _buffer_names(("w", "v", "w"))
+    True
+    """
+    n = len(names)
+    one = names[0] if n and names.count(names[0]) == n else None
+    if one is None:
+        return b"\2" + "\0".join(names).encode() + b"\1"
+    return b"\3" + one.encode() + b"\1"
 
 
 def plan(source: Layout, destination: Layout, *, max_bucket_bytes: int | None = None,
