@@ -380,6 +380,19 @@ class Layout:
             found = dtype.itemsize
         return found
 
+    def uniform_dtype(self, name: str) -> torch.dtype | None:
+        """The dtype every piece of tensor ``name`` lives in, where they agree, else None:
+        ``buffer_dtypes(name).uniform``, without working out each piece's where one buffer name
+        tells it (a look-up per tensor, for callers that ask of every tensor of a model).
+
+        >>> import torch
+        >>> from reshard.placements import Shard
+        >>> lay = Layout.from_placements(TensorSpec("w", (4, 6), torch.float32), [0, 1], (2,), [Shard(0)])
+        >>> lay.uniform_dtype("w")
+        torch.float32
+        """
+        return self._one_dtype(self.tables[name]) or self.buffer_dtypes(name).uniform
+
     def _one_dtype(self, table: PieceTable) -> torch.dtype | None:
         """The dtype of every piece of ``table`` known without a look at the pieces: one dtype
         everywhere, or one buffer name whose dtype every rank agrees on; else None."""

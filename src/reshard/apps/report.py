@@ -23,10 +23,10 @@ def precision_summary(p: Plan, precision=None) -> dict:
     if precision is None:
         by_dtype: dict[str, int] = {}
         by_object: dict = {}  # dtype -> bytes, named once per dtype after
-        dtypes, specs = p.destination.buffer_dtypes, p.destination.specs
+        uniform, specs = p.destination.uniform_dtype, p.destination.specs
         for name, b in p.tensor_wire_bytes().items():
             if b:
-                d = dtypes(name).uniform or specs[name].dtype
+                d = uniform(name) or specs[name].dtype
                 by_object[d] = by_object.get(d, 0) + b
         for d, b in by_object.items():
             by_dtype[dtype_name(d)] = by_dtype.get(dtype_name(d), 0) + b

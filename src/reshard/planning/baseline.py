@@ -214,7 +214,7 @@ def gather_sends(plan: Plan, root: int | None = None) -> tuple[list[str], list[i
     disjoint, which Shard/Replicate layouts give.
     """
     root = default_root(plan) if root is None else root
-    return _sends(plan.source, plan.destination, plan.tensors, lambda name: root)
+    return _sends(plan.source, plan.destination, plan.tensors, root)
 
 
 class Stage(NamedTuple):
@@ -287,25 +287,29 @@ def stage_sends(source: Layout, destination: Layout) -> list[Stage]:
         mine = by_root.get(g[0], [])
         if not mine:
             continue
-        nm, sizes, sends = _sends(source, destination, mine, lambda name, root=g[0]: root)
+        nm, sizes, sends = _sends(source, destination, mine, g[0])
         out.append(Stage(g[0], g, nm, sizes, sends))
     return out
 
 
-def _sends(source: Layout, destination: Layout, tensors, root_of) -> tuple[list[str], list[int], list[dict[int, int]]]:
+def _sends(source: Layout, destination: Layout, tensors, root: int) -> tuple[list[str], list[int], list[dict[int, int]]]:
     names, sizes, sends = [], [], []
     cache: dict[tuple, dict[int, int]] = {}
     keys: dict[tuple, tuple] = {}  # geometry key of the arrays tables alike share (holding them: ids stay unique)
     single = destination.single_itemsize  # one dtype for every buffer: no look-up per tensor
+    uniform, specs, tables = destination.uniform_dtype, destination.specs, source.tables
     for name in tensors:
-        root = root_of(name)
-        spec = destination.specs[name]
+        spec = specs[name]
         if single is not None:
             isz = single
         else:
-            found = destination.buffer_dtypes(name)
-            isz = found.itemsize if found.itemsize is not None else int(found.itemsizes[0])
-        t = source.tables[name]
+            dtype = uniform(name)
+            if dtype is not None:
+                isz = dtype.itemsize
+            else:
+                found = destination.buffer_dtypes(name)
+                isz = found.itemsize if found.itemsize is not None else int(found.itemsizes[0])
+        t = tables[name]
         arrays = (id(t.ranks), id(t.offsets), id(t.sizes))
         geometry = keys.get(arrays)
         if geometry is None:
