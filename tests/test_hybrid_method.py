@@ -202,3 +202,21 @@ def _executors(rank, world, store_addr):
 @pytest.mark.timeout(240)
 def test_hybrid_executor_and_session_over_gloo():
     rs.spawn(_executors, 4, f"127.0.0.1:{free_port()}", timeout=datetime.timedelta(seconds=60))
+
+
+@pytest.mark.parametrize("patterns", [None, ("(ex)perts", r"(a)\1"), (r"^model\.embed", r"norm\.weight$"),
+                                      ("(?i)EXPERTS",), (r"(?P<p>proj)\.(?P=p)", "lm_head"), ("",)])
+def test_a_rule_picks_what_any_of_its_patterns_finds(patterns):
+    """A rule searches its patterns as one alternation where that is the same (one search per name):
+    it picks exactly the names any pattern alone finds, over every tensor of two real models and names
+    made to hit the patterns that cannot be joined (back-references, a leading flag)."""
+    import re
+
+    from reshard.models.arch import get_arch, model_specs
+
+    rule = HybridRule() if patterns is None else HybridRule(patterns=patterns)
+    names = [s.name for a in ("deepseek-v3", "qwen3-30b-a3b") for s in model_specs(get_arch(a))]
+    names += ["aa", "ab", "x.Experts.0", "proj.proj", "proj.projx", "model.norm.weight", "", "lm_head.weight"]
+    found = [n for n in names if any(re.search(p, n) for p in rule.patterns)]
+    assert [n for n in names if rule(n)] == found
+    assert 0 < len(found) < len(names) or patterns == ("",)

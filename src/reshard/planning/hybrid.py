@@ -71,6 +71,7 @@ class HybridRule:
     patterns: tuple[str, ...] = FFN_PATTERNS
     predicate: Callable[[str], bool] | None = None
     _compiled: tuple = field(default=(), init=False, repr=False, compare=False)
+    _any: "re.Pattern | None" = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.patterns, str) or not isinstance(self.patterns, Iterable):
@@ -85,12 +86,15 @@ class HybridRule:
             except re.error as e:
                 raise ValueError(f"HybridRule pattern {p!r} is not a regular expression: {e}") from None
         object.__setattr__(self, "_compiled", tuple(compiled))
+        object.__setattr__(self, "_any", _one_search(self.patterns))
         if self.predicate is not None and not callable(self.predicate):
             raise ValueError(f"HybridRule predicate must be callable, got {self.predicate!r}")
 
     def __call__(self, name: str) -> bool:
         if self.predicate is not None:
             return bool(self.predicate(name))
+        if self._any is not None:
+            return self._any.search(name) is not None
         return any(p.search(name) for p in self._compiled)
 
     @property
@@ -105,6 +109,24 @@ class HybridRule:
             return "patterns:" + "|".join(self.patterns)
         p = self.predicate
         return f"predicate:{getattr(p, '__module__', '?')}.{getattr(p, '__qualname__', type(p).__qualname__)}"
+
+
+def _one_search(patterns: tuple[str, ...]) -> "re.Pattern | None":
+    """The patterns as one alternation, which matches a name where any of them does (one search per
+    name instead of one per pattern); None where joining could change what one of them matches: a
+    reference to a group by number or name, or a flag that only the start of a pattern can set.
+
+    >>> _one_search((r"experts", r"(^|\\.)(gate|up)_proj\\.")).search("model.layers.0.mlp.up_proj.weight") is not None
+    True
+    >>> _one_search((r"(a)\\1",)) is None, _one_search(()) is None
+    (True, True)
+    """
+    if not patterns or any(re.search(r"\\[1-9]|\(\?P=|\(\?\(|\(\?[aiLmsux]+\)", p) for p in patterns):
+        return None
+    try:
+        return re.compile("|".join(f"(?:{p})" for p in patterns))
+    except re.error:
+        return None
 
 
 #: the rule that picks no tensor: the hybrid degenerates to gather-and-broadcast
