@@ -71,7 +71,6 @@ class HybridRule:
     patterns: tuple[str, ...] = FFN_PATTERNS
     predicate: Callable[[str], bool] | None = None
     _compiled: tuple = field(default=(), init=False, repr=False, compare=False)
-    _any: "re.Pattern | None" = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.patterns, str) or not isinstance(self.patterns, Iterable):
@@ -86,7 +85,7 @@ class HybridRule:
             except re.error as e:
                 raise ValueError(f"HybridRule pattern {p!r} is not a regular expression: {e}") from None
         object.__setattr__(self, "_compiled", tuple(compiled))
-        object.__setattr__(self, "_any", _one_search(self.patterns))
+        object.__setattr__(self, "_any", _one_search(self.patterns))  # not a field: the same rule, searched faster
         if self.predicate is not None and not callable(self.predicate):
             raise ValueError(f"HybridRule predicate must be callable, got {self.predicate!r}")
 
