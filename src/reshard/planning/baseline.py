@@ -292,7 +292,8 @@ def stage_sends(source: Layout, destination: Layout) -> list[Stage]:
     return out
 
 
-def _sends(source: Layout, destination: Layout, tensors, root: int) -> tuple[list[str], list[int], list[dict[int, int]]]:
+def _sends(source: Layout, destination: Layout, tensors, root: int
+           ) -> tuple[list[str], list[int], list[dict[int, int]]]:
     names, sizes, sends = [], [], []
     cache: dict[tuple, dict[int, int]] = {}
     keys: dict[tuple, tuple] = {}  # geometry key of the arrays tables alike share (holding them: ids stay unique)
