@@ -36,7 +36,8 @@ import numpy as np
 import torch
 
 from .layout_checks import check_layout, checked_buffers, checked_piece
-from .piece_table import BufferDtypes, PieceTable, Repeated, concatenated, geometry_bytes, read_only, table_of
+from .piece_table import (BufferDtypes, PieceTable, Repeated, concatenated, geometry_bytes, read_only,
+                          shared_geometry_key, table_of)
 from .placements import Placement, from_torch_placement, local_pieces
 from .tensors import LayoutError, Piece, TensorSpec, box_slices, buffer_view
 
@@ -494,4 +495,4 @@ def _merged_buffers(rank: int, parts: list[RankBuffers]) -> RankBuffers:
 
 
 __all__ = ["BufferDtypes", "Layout", "PieceTable", "RankBuffers", "Repeated", "VALIDATE_MAX_PIECES", "geometry_bytes",
-           "read_only", "shared_buffers"]
+           "read_only", "shared_buffers", "shared_geometry_key"]

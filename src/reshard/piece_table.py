@@ -120,11 +120,15 @@ class PieceTable:
                                    return_inverse=True, return_counts=True)
         return inv.reshape(-1), counts
 
-    def geometry_key(self) -> bytes:
-        """Bytes identifying ranks and boxes (not buffers): equal keys plan alike."""
+    def geometry_key(self, cache: dict | None = None) -> bytes:
+        """Bytes identifying ranks and boxes (not buffers): equal keys plan alike.
+
+        ``cache``: a dict kept over one pass through many tables; tables sharing their ranks, offsets
+        and sizes arrays then share one key, worked out once (:func:`shared_geometry_key`)."""
         key = self._geometry
         if key is None:
-            key = geometry_bytes(self.ranks, self.offsets, self.sizes)
+            key = (geometry_bytes(self.ranks, self.offsets, self.sizes) if cache is None
+                   else shared_geometry_key(self.ranks, self.offsets, self.sizes, cache))
             object.__setattr__(self, "_geometry", key)
         return key
 
@@ -133,6 +137,22 @@ def geometry_bytes(ranks: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) ->
     """:meth:`PieceTable.geometry_key` of a table with these arrays."""
     n, d = offsets.shape
     return b"".join([np.array([n, d], np.int64).tobytes(), ranks.tobytes(), offsets.tobytes(), sizes.tobytes()])
+
+
+def shared_geometry_key(ranks: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, cache: dict) -> bytes:
+    """:func:`geometry_bytes` of these arrays, worked out once per arrays that tables share: ``cache`` is a
+    dict kept over one pass (it holds the arrays, so their ids stay unique while it lives).
+
+    >>> a, b = np.zeros(2, np.int64), np.zeros((2, 1), np.int64)
+    >>> cache = {}
+    >>> shared_geometry_key(a, b, b, cache) is shared_geometry_key(a, b, b, cache) == geometry_bytes(a, b, b)
+    True
+    """
+    key = ("geometry", id(ranks), id(offsets), id(sizes))
+    hit = cache.get(key)
+    if hit is None:
+        hit = cache[key] = (ranks, offsets, sizes, geometry_bytes(ranks, offsets, sizes))
+    return hit[3]
 
 
 def table_of(pieces: Sequence[Piece], ndim: int) -> PieceTable:
@@ -211,4 +231,5 @@ class BufferDtypes(NamedTuple):
         return np.array([itemsize(dtype) for dtype in self.per_piece], np.int64)
 
 
-__all__ = ["BufferDtypes", "PieceTable", "Repeated", "concatenated", "geometry_bytes", "read_only", "table_of"]
+__all__ = ["BufferDtypes", "PieceTable", "Repeated", "concatenated", "geometry_bytes", "read_only",
+           "shared_geometry_key", "table_of"]

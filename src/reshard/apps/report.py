@@ -21,15 +21,13 @@ def precision_summary(p: Plan, precision=None) -> dict:
     precision, ``other`` tensors), by dtype, and blocks quantized at a source / at the destination, of a
     :class:`~reshard.planning.precision.PrecisionPlan` (None: the plain plan ``p``, all ``other``)."""
     if precision is None:
-        by_dtype: dict[str, int] = {}
         by_object: dict = {}  # dtype -> bytes, named once per dtype after
         uniform, specs = p.destination.uniform_dtype, p.destination.specs
         for name, b in p.tensor_wire_bytes().items():
             if b:
                 d = uniform(name) or specs[name].dtype
                 by_object[d] = by_object.get(d, 0) + b
-        for d, b in by_object.items():
-            by_dtype[dtype_name(d)] = by_dtype.get(dtype_name(d), 0) + b
+        by_dtype = {dtype_name(d): b for d, b in by_object.items()}
         return {"wire_bytes_by_precision": {"fp8": 0, "scales": 0, "raw": 0, "other": p.wire_bytes},
                 "wire_bytes_by_dtype": dict(sorted(by_dtype.items())), "fp8_tensors": 0,
                 "blocks": {"at_source": 0, "assembled": 0, "at_destination": 0}, "assembly_bytes": 0}

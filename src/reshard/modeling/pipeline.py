@@ -334,16 +334,13 @@ def exclusive_source_bytes(p: Plan) -> dict[int, float]:
     """Per source rank, bytes of the source regions it alone holds that a destination needs
     (every destination rank taken to lie in another domain)."""
     tensors: dict[tuple[bytes, int], list] = {}  # (geometry, itemsize) -> [a source table, how many tensors]
-    keys: dict[tuple, bytes] = {}  # tables of the same arrays (alive meanwhile): one geometry key
+    keys: dict = {}  # tables of the same arrays: one geometry key
     for name in p.tensors:
         st = p.source.tables[name]
         if not len(st.ranks):
             continue
         isz = p.destination.buffer_dtypes(name).itemsize or p.destination.specs[name].dtype.itemsize
-        ids = (id(st.ranks), id(st.offsets), id(st.sizes))
-        geometry = keys.get(ids)
-        if geometry is None:
-            geometry = keys[ids] = st.geometry_key()
+        geometry = st.geometry_key(keys)
         hit = tensors.get((geometry, isz))
         if hit is None:
             tensors[(geometry, isz)] = [st, 1]

@@ -33,6 +33,7 @@ from collections import defaultdict
 from typing import NamedTuple, Sequence
 
 import numpy as np
+import torch
 
 from ..layout import Layout, PieceTable, read_only
 from .plan import Plan
@@ -53,7 +54,7 @@ def gather_layout(plan: Plan, root: int, tensors: list[str] | None = None) -> La
     for name in plan.tensors if tensors is None else tensors:
         spec = plan.destination.specs[name]
         t = plan.destination.tables[name]
-        dtype = plan.destination.buffer_spec(int(t.ranks[0]), t.buffers[0])[1]
+        dtype = _first_dtype(plan.destination, name)
         arrays = shared.get(spec.shape)
         if arrays is None:
             zeros = np.zeros((1, len(spec.shape)), np.int64)
@@ -161,26 +162,28 @@ def gather_broadcast_bytes(plan: Plan, root: int | None = None) -> dict[str, int
     for name in plan.tensors:
         st = source.tables[name]
         ids = (id(st.ranks), id(st.offsets), id(st.sizes))
-        local = held[ids] if ids in held else held.setdefault(ids, _elements_held(st, root))
+        if ids not in held:
+            held[ids] = _elements_held(st, root)
+        local = held[ids]
         if local is None:
             planned.append(name)
             continue
         numel = destination.specs[name].numel
-        isz = single if single is not None else _first_itemsize(destination, name)
+        isz = single if single is not None else _first_dtype(destination, name).itemsize
         full += numel * isz
         gathered += (numel - local) * isz
     if planned:
         gathered += Plan(source, gather_layout(plan, root, planned)).wire_bytes
-        full += sum(destination.specs[n].numel * _first_itemsize(destination, n) for n in planned)
+        full += sum(destination.specs[n].numel * _first_dtype(destination, n).itemsize for n in planned)
     receivers = [r for r in destination.ranks if r != root]
     return {"gather": gathered, "broadcast": full * len(receivers)}
 
 
-def _first_itemsize(layout: Layout, name: str) -> int:
-    """Bytes per element of the buffer that the first piece of tensor ``name`` lives in (the dtype
+def _first_dtype(layout: Layout, name: str) -> torch.dtype:
+    """The dtype of the buffer that the first piece of tensor ``name`` lives in (the dtype
     :func:`gather_layout` gives the tensor's full buffer)."""
     t = layout.tables[name]
-    return layout.buffer_spec(int(t.ranks[0]), t.buffers[0])[1].itemsize
+    return layout.buffer_spec(int(t.ranks[0]), t.buffers[0])[1]
 
 
 def _elements_held(table: PieceTable, rank: int) -> int | None:
@@ -199,7 +202,7 @@ def _elements_held(table: PieceTable, rank: int) -> int | None:
     lo, size = np.split(boxes, 2, axis=1)
     hi = lo + size
     overlap = (lo[:, None, :] < hi[None, :, :]) & (lo[None, :, :] < hi[:, None, :])  # [box, box, dim]
-    if (overlap.all(axis=2).sum() > len(boxes)):  # a pair of distinct boxes overlaps (besides each with itself)
+    if overlap.all(axis=2).sum() > len(boxes):  # a pair of distinct boxes overlaps (besides each with itself)
         return None
     return int(size.prod(axis=1).sum())
 
@@ -296,7 +299,7 @@ def _sends(source: Layout, destination: Layout, tensors, root: int
            ) -> tuple[list[str], list[int], list[dict[int, int]]]:
     names, sizes, sends = [], [], []
     cache: dict[tuple, dict[int, int]] = {}
-    keys: dict[tuple, tuple] = {}  # geometry key of the arrays tables alike share (holding them: ids stay unique)
+    keys: dict = {}  # geometry key of the arrays tables alike share
     single = destination.single_itemsize  # one dtype for every buffer: no look-up per tensor
     uniform, specs, tables = destination.uniform_dtype, destination.specs, source.tables
     for name in tensors:
@@ -311,11 +314,7 @@ def _sends(source: Layout, destination: Layout, tensors, root: int
                 found = destination.buffer_dtypes(name)
                 isz = found.itemsize if found.itemsize is not None else int(found.itemsizes[0])
         t = tables[name]
-        arrays = (id(t.ranks), id(t.offsets), id(t.sizes))
-        geometry = keys.get(arrays)
-        if geometry is None:
-            geometry = keys[arrays] = (t.ranks, t.offsets, t.sizes, t.geometry_key())
-        key = (geometry[3], isz, root)
+        key = (t.geometry_key(keys), isz, root)
         got = cache.get(key)
         if got is None:
             got = {}

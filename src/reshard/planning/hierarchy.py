@@ -496,19 +496,12 @@ def domain_need_bytes(destination: Layout, domains: Mapping[int, int]) -> dict[i
     """
     dom = domain_array(domains, destination.ranks)
     tensors: dict[tuple, list] = {}  # (geometry, itemsize) -> [a table, how many tensors, its dtypes]; in tensor order
-    keys: dict[tuple, bytes] = {}  # tables of the same arrays (alive meanwhile): one geometry key
+    keys: dict = {}  # tables of the same arrays: one geometry key
     for name, t in destination.tables.items():
         if not len(t.ranks):
             continue
         found = destination.buffer_dtypes(name)
-        if found.uniform is not None:
-            ids = (id(t.ranks), id(t.offsets), id(t.sizes))
-            geometry = keys.get(ids)
-            if geometry is None:
-                geometry = keys[ids] = t.geometry_key()
-            key = (geometry, found.uniform.itemsize)
-        else:
-            key = (name,)
+        key = (t.geometry_key(keys), found.uniform.itemsize) if found.uniform is not None else (name,)
         hit = tensors.get(key)
         if hit is None:
             tensors[key] = [t, 1, found]
@@ -627,14 +620,10 @@ def split_receivers(destination: Layout, domains: Mapping[int, int]) -> tuple[La
     """
     dom = domain_array(domains, destination.ranks)
     by_geometry: dict[bytes, list[str]] = {}
-    keys: dict[tuple, bytes] = {}  # tables of the same arrays (alive meanwhile): one geometry key
+    keys: dict = {}  # tables of the same arrays: one geometry key
     for name, t in destination.tables.items():
         if len(t.ranks):
-            ids = (id(t.ranks), id(t.offsets), id(t.sizes))
-            key = keys.get(ids)
-            if key is None:
-                key = keys[ids] = t.geometry_key()
-            by_geometry.setdefault(key, []).append(name)
+            by_geometry.setdefault(t.geometry_key(keys), []).append(name)
     load = [0] * len(dom)
     work = []  # (-bytes, geometry index, cluster members)
     geoms = []

@@ -337,9 +337,7 @@ class Plan:
                 chunks.append(name.encode() + b"\0")
                 for tables in (src_tables, dst_tables):
                     table = tables[name]
-                    names = table.buffers
-                    chunks.append(b"\3" + names.name.encode() + b"\1" if type(names) is Repeated and names.n
-                                  else _buffer_names(names))
+                    chunks.append(_buffer_names(table.buffers))
                     chunks.append(digests.of(table.buffer_offsets))
             digest.update(b"".join(chunks))
         for layout in (self.source, self.destination):
@@ -400,8 +398,10 @@ def _buffer_names(names) -> bytes:
     >>> _buffer_names(Repeated("w", 3)) == _buffer_names(("w", "w", "w")) != _buffer_names(("w", "v", "w"))
     True
     """
-    n = len(names)
-    one = names[0] if n and names.count(names[0]) == n else None
+    if type(names) is Repeated:  # the common case, once per tensor: no pass over the names
+        one = names.name if names.n else None
+    else:
+        one = names[0] if names and names.count(names[0]) == len(names) else None
     if one is None:
         return b"\2" + "\0".join(names).encode() + b"\1"
     return b"\3" + one.encode() + b"\1"

@@ -54,7 +54,7 @@ import numpy as np
 import torch
 
 from ..gc_pause import without_gc
-from ..layout import Layout, PieceTable, Repeated, geometry_bytes
+from ..layout import Layout, PieceTable, Repeated, shared_geometry_key
 from ..quant import FP8_DTYPE
 from ..tensors import LayoutError, TensorSpec, dtype_name
 from .dtype_policy import (FP8_PATTERNS, KEEP, Cast, DtypePolicy, FP8Block, Keep, MXFP8Block, Precision,
@@ -86,22 +86,6 @@ def _rows_cut_to(table: PieceTable, rows: np.ndarray, offsets: np.ndarray, sizes
     one = table.one_buffer()
     buffers = Repeated(one, len(rows)) if one is not None else tuple(table.buffers[i] for i in rows.tolist())
     return PieceTable(table.ranks[rows], offsets, sizes, buffers, buffer_offsets)
-
-
-def _geometry_key(table: PieceTable, shared: dict | None) -> bytes:
-    """``table.geometry_key()``, worked out once for the tables sharing its arrays (``shared`` holds them)."""
-    if shared is None:
-        return table.geometry_key()
-    return _shared_geometry_key(table.ranks, table.offsets, table.sizes, shared)
-
-
-def _shared_geometry_key(ranks: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, shared: dict) -> bytes:
-    """The geometry key of tables of these arrays, worked out once (``shared`` holds the arrays)."""
-    key = ("geometry", id(ranks), id(offsets), id(sizes))
-    hit = shared.get(key)
-    if hit is None:
-        hit = shared[key] = (ranks, offsets, sizes, geometry_bytes(ranks, offsets, sizes))
-    return hit[3]
 
 
 def _with_assembled(table: PieceTable, boxes: AssemblyBoxes, dtype: torch.dtype, shared: dict | None
@@ -190,7 +174,7 @@ class _WireTensors:
         """A wire table of the arrays tensors alike share (as every table's, treated as read-only), its
         geometry key worked out once for them (plans read what tables hold, not how their arrays are shared)."""
         return PieceTable(ranks, offsets, sizes, names, buffer_offsets,
-                          _shared_geometry_key(ranks, offsets, sizes, self.shared))
+                          shared_geometry_key(ranks, offsets, sizes, self.shared))
 
     def _boxes(self, geometry: BlockGeometry, path: str, shape, block, dtype: torch.dtype) -> tuple:
         """(element offsets, sizes, zero buffer offsets, each box's staging (shape, dtype)) of a
@@ -330,7 +314,7 @@ class PrecisionPlan:
         at_source = self.at_source(name)
         boxes = AssemblyBoxes.empty()
         if self.assemble is not None and at_source:
-            asm_key = ("assembly", shape, precision.block, _geometry_key(source_table, shared),
+            asm_key = ("assembly", shape, precision.block, source_table.geometry_key(shared),
                        source_table.buffer_offsets.shape[1])
             boxes = geometries.get(asm_key)
             if boxes is None:
@@ -343,7 +327,7 @@ class PrecisionPlan:
             table = PieceTable(*arrays[:3], tuple(source_table.buffers) + tuple(asm_names), arrays[3])
             for rank, buffer, desc in zip(ranks, asm_names, descs):
                 self.assembly_staging[rank][buffer] = desc
-        key = (shape, precision.block, at_source, _geometry_key(table, shared), _geometry_key(destination_table, shared))
+        key = (shape, precision.block, at_source, table.geometry_key(shared), destination_table.geometry_key(shared))
         geometry = geometries.get(key)
         if geometry is None:
             geometry = geometries[key] = block_geometry(shape, precision.block, table, destination_table,
