@@ -146,7 +146,8 @@ def _plan(args) -> int:
                                 precision=("--precision", None if args.precision == "bf16" else args.precision))
         report = build_plan_report(args.model, args.train, args.infer, independent_engines=args.independent_engines,
                                    options=options, baseline=not args.no_baseline,
-                                   assemble_domain=(topo.gpus_per_domain if topo is not None else 8))
+                                   assemble_domain=(topo.gpus_per_domain if topo is not None else 8),
+                                   second_core=True)
     except (LayoutError, ValueError) as error:  # OptionsError included: it names the flag
         console.print(f"reshard plan: {error}", style="red", highlight=False, soft_wrap=True)
         return 2
@@ -154,7 +155,8 @@ def _plan(args) -> int:
         render_plan_report(report, console)
     modeled = None
     if topo is not None:
-        modeled = build_model_report(report, topo, figures=args.topology is not None, plots=args.plot is not None)
+        modeled = build_model_report(report, topo, figures=args.topology is not None, plots=args.plot is not None,
+                                     second_core=True)
         if modeled.does_not_fit is not None:
             render_does_not_fit(modeled, console)
         else:

@@ -15,10 +15,12 @@ plan's tables are printed (a model that fails to build still leaves the tables o
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..execution.methods import make_plan
+from ..forked import forked, in_this_process
 from ..frameworks.parallel import ModelLayouts, model_layouts
 from ..gc_pause import without_gc
 from ..options import RefitOptions
@@ -88,14 +90,15 @@ class ModelReport:
 def build_plan_report(model: str, train: str, infer: str, *, independent_engines: bool = False,
                       options: RefitOptions | None = None, precision: str = "bf16",
                       max_bucket_bytes: int | None = None, baseline: bool = True,
-                      assemble_domain: int | None = None) -> PlanReport:
+                      assemble_domain: int | None = None, second_core: bool = False) -> PlanReport:
     """Lay out ``model`` both ways, plan the refit (and, under a dtype policy, the FP8 refit) with
     ``options`` (a :class:`~reshard.options.RefitOptions`: its staging cap and dtype policy; without
     one, ``max_bucket_bytes`` and ``precision="fp8"`` or ``"bf16"``), and summarize it; ``baseline``:
     count gather-and-broadcast's bytes; ``assemble_domain``: under a block policy, training ranks ``r`` of
     one NVLink domain (``r // assemble_domain``) assemble the blocks none of them holds whole (FSDP)
-    before quantizing (:mod:`reshard.planning.fp8_assembly`). A configuration that cannot be laid out or planned raises
-    ``ValueError`` (``LayoutError`` and ``OptionsError`` included)."""
+    before quantizing (:mod:`reshard.planning.fp8_assembly`); ``second_core``: summarize in a forked child
+    (:mod:`reshard.forked`) while this process computes the fingerprint and the wire bytes. A configuration that
+    cannot be laid out or planned raises ``ValueError`` (``LayoutError`` and ``OptionsError`` included)."""
     if independent_engines and "independent" not in infer:
         infer += ",independent"
     if options is None:
@@ -119,7 +122,12 @@ def build_plan_report(model: str, train: str, infer: str, *, independent_engines
         else:
             fp8_plan = make_plan(options.replace(method=RESHARD), refit.source, refit.destination)
         fp8_s = time.perf_counter() - started
-    summary = summarize(refit, direct, baseline=baseline, precision=fp8_plan)
+    with (forked if second_core else in_this_process)(summarize, refit, direct, baseline=baseline,
+                                                      precision=fp8_plan) as summary:
+        if second_core:  # this core meanwhile: what the record and the model need besides the summary
+            (fp8_plan or direct).fingerprint()
+            direct.pair_bytes
+        summary = summary.result()
     report = PlanReport(model, train, infer, precision, refit, direct, fp8_plan, policy, summary, plan_s, fp8_s, {})
     report.record = _plan_keys(report)
     return report
@@ -139,10 +147,12 @@ def _plan_keys(report: PlanReport) -> dict:
 
 
 @without_gc
-def build_model_report(report: PlanReport, topology: Topology, *, figures: bool, plots: bool) -> ModelReport:
+def build_model_report(report: PlanReport, topology: Topology, *, figures: bool, plots: bool,
+                       second_core: bool = False) -> ModelReport:
     """Model ``report``'s refit on ``topology``: whether its weights fit, and (``figures``) every modeled
     figure, with reshard's rounds under the plan's staging cap (2 GiB without one: rounds of 1 GiB) and 1 GiB broadcast
-    buckets; ``plots``: the estimate the plots show."""
+    buckets; ``plots``: the estimate the plots show; ``second_core``: model the hybrid in a forked child
+    (:mod:`reshard.forked`) while this process models the rest (the same figures, sooner on two cores)."""
     from ..modeling.pipeline import RefitModel
     from ..modeling.topology import Placement
     from .simulate import METHODS, GiB, fit, model_figures
@@ -155,14 +165,32 @@ def build_model_report(report: PlanReport, topology: Topology, *, figures: bool,
         return ModelReport(topology, None, reason, None, None, None, fp8, record)
     refit, direct = report.refit, report.plan
     place = Placement.contiguous(topology, refit.train_world, refit.infer_world, infer_start="domain")
-    refit_model = RefitModel.build(refit.source, refit.destination, topology, placement=place, direct=direct,
-                                   precision=report.precision_plan, max_bucket_bytes=direct.max_bucket_bytes)
-    modeled = None
-    if figures:
-        modeled = model_figures(refit_model, rounds_cap=direct.max_bucket_bytes or 2 * GiB)
+    rounds_cap = direct.max_bucket_bytes or 2 * GiB
+    build = dict(placement=place, direct=direct, precision=report.precision_plan,
+                 max_bucket_bytes=direct.max_bucket_bytes)
+    baselines = None
+    if figures and second_core:  # two baselines plan refits of their own: on the other core, from here on
+        baselines = forked(_baseline_estimates, refit.source, refit.destination, topology, build, rounds_cap)
+    with baselines or nullcontext():
+        refit_model = RefitModel.build(refit.source, refit.destination, topology, **build)
+        modeled = model_figures(refit_model, rounds_cap=rounds_cap, baselines=baselines) if figures else None
+    if modeled is not None:
         record.update(modeled)
     plot_estimate = refit_model.estimate(refit_model.reshard)[1] if plots else None
     return ModelReport(topology, place, None, refit_model, modeled, plot_estimate, fp8, record)
+
+
+def _baseline_estimates(source, destination, topology: Topology, build: dict, rounds_cap: int) -> dict:
+    """Two of :func:`~reshard.apps.simulate.model_figures`' baselines (1 GiB buckets), the hybrid and the naive
+    gather-and-broadcast, from a model without the hierarchical plan (they need none): about half of what is
+    left to model once the direct plan is made."""
+    from ..modeling.pipeline import RefitModel
+    from .simulate import GiB
+
+    model = RefitModel.build(source, destination, topology, plan_hierarchical=False, **build)
+    model.hybrid(GiB, rounds_cap=rounds_cap)
+    model.gather_broadcast(GiB, variant="naive")
+    return model.baseline_estimates()
 
 
 def plan_record(report: PlanReport, modeled: ModelReport | None = None) -> dict:

@@ -53,6 +53,7 @@ from typing import Callable
 
 import numpy as np
 
+from ..forked import Forked
 from ..frameworks.parallel import InferParallel, ModelLayouts, TrainParallel, model_layouts
 from ..gc_pause import without_gc
 from ..layout import Layout
@@ -188,14 +189,16 @@ def fit(lay: ModelLayouts, topology: Topology, policy: DtypePolicy | None = None
 
 @without_gc
 def model_figures(m: RefitModel, *, rounds_cap: int | None = 2 * GiB, bucket_bytes: int | None = GiB,
-                  pipelined: bool = False) -> dict:
+                  pipelined: bool = False, baselines: Forked | None = None) -> dict:
     """Every modeled figure of one refit: seconds per method, the bound and its binding term, bytes.
 
     ``rounds_cap``: the staging cap per GPU that sets reshard's rounds (default 2 GiB: two 1 GiB
     rounds in flight); ``bucket_bytes``: the
     broadcast buckets of gather-and-broadcast and of the hybrid's broadcast part; ``pipelined``: also
     model the hierarchical plan's pipelined order (``modeled_s["pipelined"]``; "ours" is then the
-    faster order).
+    faster order); ``baselines``: a forked child (:mod:`reshard.forked`) already modeling some of the
+    baselines on another model of this refit, its result :meth:`RefitModel.baseline_estimates`, taken
+    once reshard's own figures are done; the rest are modeled here.
     """
     modeled: dict[str, float | None] = dict.fromkeys(METHODS)
     bottleneck = "-"
@@ -212,12 +215,14 @@ def model_figures(m: RefitModel, *, rounds_cap: int | None = 2 * GiB, bucket_byt
     modeled["direct"] = est_d.seconds
     if m.hierarchical is None:
         bottleneck = est_d.bottleneck.describe() if est_d.bottleneck else "-"
-    modeled["hybrid"] = m.hybrid(bucket_bytes, rounds_cap=rounds_cap).seconds
-    modeled["gather_broadcast"] = m.gather_broadcast(bucket_bytes, variant="fair").seconds
-    modeled["gather_broadcast_naive"] = m.gather_broadcast(bucket_bytes, variant="naive").seconds
     bound = m.lower_bound()
     b = bound.binding
     job = m.lower_bound(ingress="job").seconds  # ingress over the job's NICs only
+    if baselines is not None:
+        m.adopt_estimates(baselines.result())
+    modeled["hybrid"] = m.hybrid(bucket_bytes, rounds_cap=rounds_cap).seconds
+    modeled["gather_broadcast"] = m.gather_broadcast(bucket_bytes, variant="fair").seconds
+    modeled["gather_broadcast_naive"] = m.gather_broadcast(bucket_bytes, variant="naive").seconds
     ours = min(x for x in (modeled["hierarchical"], modeled.get("pipelined")) if x) if m.hierarchical else modeled["direct"]
     ratio_job = ours / job if job else None
     binding = None

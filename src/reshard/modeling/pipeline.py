@@ -85,8 +85,8 @@ class RefitModel:
     @classmethod
     def build(cls, source: Layout, destination: Layout, topology: Topology, *, placement: Placement | None = None,
               infer_start: str = "next", max_bucket_bytes: int | None = None, direct: Plan | None = None,
-              policy=None, precision: PrecisionPlan | None = None, options: RefitOptions | None = None
-              ) -> "RefitModel":
+              policy=None, precision: PrecisionPlan | None = None, options: RefitOptions | None = None,
+              plan_hierarchical: bool = True) -> "RefitModel":
         """Place the ranks (default: training ranks on GPUs ``0..M-1``, inference ranks from
         ``infer_start``, see :meth:`Placement.contiguous`) and plan the refit both ways, as the
         methods of the registry plan it (:mod:`reshard.planning.methods`), under ``options`` (a
@@ -94,7 +94,8 @@ class RefitModel:
         staging cap ``max_bucket_bytes`` and the dtype policy ``policy``, a
         :class:`~reshard.planning.precision.DtypePolicy` or a name, ``"fp8"``: see module doc).
         ``direct`` reuses a direct plan already made; ``precision`` a precision plan (its direct wire
-        plan)."""
+        plan); ``plan_hierarchical=False`` leaves the hierarchical plan out (a model asked only for the
+        baselines' estimates, :meth:`baseline_estimates`)."""
         if options is None:
             options = RefitOptions(max_bucket_bytes=max_bucket_bytes, precision=policy)
         if placement is None:
@@ -114,7 +115,7 @@ class RefitModel:
             if direct is None:
                 direct = METHODS[RESHARD].make(source, destination, direct_options)
         hier = None
-        if topology.gpus_per_domain > 1:  # the wire of a precision plan is planned as the raw layouts are
+        if topology.gpus_per_domain > 1 and plan_hierarchical:  # a precision plan's wire: planned as raw layouts
             domains = dict(enumerate(placement.domain_of.tolist()))
             hier = METHODS[HIERARCHICAL].make(plan_src, plan_dst, direct_options.replace(
                 method=HIERARCHICAL, precision=None, domains=domains))
@@ -232,6 +233,17 @@ class RefitModel:
         hit = self._estimates[key] = Estimate("hybrid", self.topology.name, sum(e.seconds for _, e in parts),
                                               tuple(phases), False, notes)
         return hit
+
+    def baseline_estimates(self) -> dict:
+        """The baselines' estimates this model has made (the hybrid, gather-and-broadcast), for another model
+        of the same refit to take with :meth:`adopt_estimates`: a forked child models baselines while the
+        parent plans reshard's own phases (``reshard plan --topology``). Baselines need no hierarchical plan
+        (see ``plan_hierarchical`` in :meth:`build`)."""
+        return {key: hit for key, hit in self._estimates.items() if key[0] in ("hybrid", "gather-broadcast")}
+
+    def adopt_estimates(self, estimates: dict) -> None:
+        """Take the estimates :meth:`baseline_estimates` returned on a model of the same refit."""
+        self._estimates.update(estimates)
 
     def demand(self) -> Demand:
         """What any refit of these layouts must move (the lower bound's inputs; computed once).

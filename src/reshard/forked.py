@@ -1,0 +1,132 @@
+"""Run one function on the second core: in a forked child, while this process goes on.
+
+A planning command whose stages do not depend on each other can finish sooner on two cores. The
+child is a copy of this process (``os.fork``), so its inputs are not pickled; only its result comes
+back, through a pipe.
+
+>>> with forked(sum, [1, 2, 3]) as job:   # the child adds while this process could do other work
+...     job.result()
+6
+
+* An error raised in the child is raised again by :meth:`Forked.result`, with the child's
+  traceback added as a note.
+* A child that dies without a result (killed, out of memory) makes :meth:`Forked.result` raise
+  ``ChildProcessError`` naming how it ended. The wait ends when the child exits or closes its
+  pipe, so a dead child is seen at once.
+* Leaving the ``with`` block without the result kills the child and reaps it.
+* Where forking is not safe, the function runs in this process at :meth:`Forked.result`: not on
+  Linux, or with other threads running (a fork copies only the calling thread).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import sys
+import threading
+import traceback
+from typing import Any, Callable
+
+
+def can_fork() -> bool:
+    """Whether :func:`forked` runs its function in a child: on Linux, with no other thread running."""
+    return sys.platform.startswith("linux") and hasattr(os, "fork") and threading.active_count() == 1
+
+
+def forked(fn: Callable, *args, **kwargs) -> "Forked":
+    """Start ``fn(*args, **kwargs)`` in a forked child (in this process at :meth:`Forked.result` where
+    :func:`can_fork` is false); use the returned job as a context manager."""
+    if not can_fork():
+        return in_this_process(fn, *args, **kwargs)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: compute, send, and leave without running this process's exit handlers
+        status = 1
+        try:
+            os.close(read)
+            try:
+                payload = pickle.dumps((True, fn(*args, **kwargs)), protocol=pickle.HIGHEST_PROTOCOL)
+            except BaseException as error:  # noqa: BLE001 - every error goes back to the caller
+                payload = _error_payload(error)
+            with os.fdopen(write, "wb") as pipe:
+                pipe.write(payload)
+            status = 0
+        finally:
+            os._exit(status)
+    os.close(write)
+    return Forked(pid, read, None)
+
+
+def in_this_process(fn: Callable, *args, **kwargs) -> "Forked":
+    """The same job as :func:`forked` gives, run in this process when its result is asked for.
+
+    >>> with in_this_process(max, 2, 5) as job:
+    ...     job.result()
+    5
+    """
+    return Forked(None, None, lambda: fn(*args, **kwargs))
+
+
+class Forked:
+    """A function running in a forked child (see module doc)."""
+
+    def __init__(self, pid: int | None, read_fd: int | None, inline: Callable[[], Any] | None) -> None:
+        self.pid = pid
+        self._read_fd = read_fd
+        self._inline = inline
+
+    def result(self) -> Any:
+        """The function's value; raises its error, or ``ChildProcessError`` if the child died first."""
+        if self._inline is not None:
+            inline, self._inline = self._inline, None
+            return inline()
+        if self._read_fd is None:
+            raise RuntimeError(f"forked child {self.pid}: no result left (taken already, or the job was closed)")
+        with os.fdopen(self._read_fd, "rb") as pipe:
+            self._read_fd = None
+            payload = pipe.read()  # until the child closes its end: done, or dead
+        _, status = os.waitpid(self.pid, 0)
+        if not payload:
+            raise ChildProcessError(f"forked child {self.pid} ended without a result ({_how_it_ended(status)})")
+        ok, value = pickle.loads(payload)
+        if ok:
+            return value
+        error, child_traceback = value
+        error.add_note(f"raised in forked child {self.pid}:\n{child_traceback}")
+        raise error
+
+    def __enter__(self) -> "Forked":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._read_fd is not None:  # the result was not taken: stop the child and reap it
+            os.close(self._read_fd)
+            self._read_fd = None
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            os.waitpid(self.pid, 0)
+
+
+def _error_payload(error: BaseException) -> bytes:
+    """``(False, (error, traceback text))`` pickled; an error that does not survive pickling goes back
+    as a ``RuntimeError`` carrying its type and message."""
+    text = "".join(traceback.format_exception(error))
+    try:
+        payload = pickle.dumps((False, (error, text)), protocol=pickle.HIGHEST_PROTOCOL)
+        pickle.loads(payload)
+        return payload
+    except Exception:  # noqa: BLE001 - any failure to round-trip: send the plain form
+        plain = RuntimeError(f"{type(error).__name__}: {error}")
+        return pickle.dumps((False, (plain, text)), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _how_it_ended(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        return f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
+    return f"exit status {os.waitstatus_to_exitcode(status)}"
+
+
+__all__ = ["Forked", "can_fork", "forked", "in_this_process"]
