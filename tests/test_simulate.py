@@ -146,26 +146,33 @@ def test_plan_json_with_a_topology(capsys):
 
 @pytest.mark.parametrize("model, train, infer, precision", [("qwen3-30b-a3b", "ep8,pp2", "tp8,dp2", "bf16"),
                                                             ("qwen3-8b", "tp2,pp2", "tp4,dp2", "fp8")])
-def test_the_plan_command_on_two_cores_gives_the_same_record(model, train, infer, precision):
+def test_the_plan_command_on_two_cores_gives_the_same_record(model, train, infer, precision, monkeypatch):
     """``reshard plan --topology`` summarizes, and models two baselines, in forked children: its record is
     the one computed in one process, to the byte (the FP8 case: the baselines' staging cap comes from the
-    precision plan's wire)."""
+    precision plan's wire), and this process uses the child's hybrid instead of modeling it again."""
     from reshard.apps.plan_report import build_model_report, build_plan_report, plan_record
     from reshard.forked import can_fork
+    from reshard.modeling import pipeline
     from reshard.modeling.topology import Topology
     from reshard.options import RefitOptions
 
     if sys.platform.startswith("linux"):
         assert can_fork()  # else both runs would be in one process and this would compare nothing
+    hybrid_split_in = []  # processes that split the layouts for the hybrid (a forked child's calls stay there)
+    split_layout = pipeline.split_layout
+    monkeypatch.setattr(pipeline, "split_layout", lambda *a: hybrid_split_in.append(os.getpid()) or split_layout(*a))
     options = RefitOptions(precision=None if precision == "bf16" else precision)
-    records = []
+    records, split_here = [], []
     for second_core in (False, True):
+        hybrid_split_in.clear()
         report = build_plan_report(model, train, infer, options=options, second_core=second_core)
         modeled = build_model_report(report, Topology.preset("dgx-h100"), figures=True, plots=False,
                                      second_core=second_core)
         records.append(json.dumps(plan_record(report, modeled), sort_keys=True))
+        split_here.append(len(hybrid_split_in))
     one, two = records
     assert one == two and '"hybrid"' in one and '"gather_broadcast_naive"' in one
+    assert split_here == [2, 0 if sys.platform.startswith("linux") else 2]  # source and destination, once
 
 
 SMALL_PAGES_PROBE = """
