@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -117,3 +118,30 @@ def test_in_this_process_runs_at_result_and_raises_there():
     assert calls == [1]
     with in_this_process(_fails) as job, pytest.raises(ValueError, match="at fault"):
         job.result()
+
+
+TORCH_AFTER_FORK = """
+import torch
+from reshard.forked import forked
+
+x = torch.randn(1500, 1500)
+(x @ x).sum()  # the parent's OpenMP pool is started
+with forked(lambda: float((x @ x).sum() - (x @ x).sum()) + float(torch.ones(10**6).sum())) as job:
+    print(job.result())
+"""
+
+
+@linux_only
+def test_torch_in_the_child_after_the_parent_ran_parallel_torch():
+    """A forked child's parallel torch operation must not wait for the parent's OpenMP threads (which
+    are not in the child): run apart, so a hang fails here instead of stopping the suite."""
+    script = subprocess.Popen([sys.executable, "-c", TORCH_AFTER_FORK], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = script.communicate(timeout=180)  # seconds of work: the margin is for a busy host
+    except subprocess.TimeoutExpired:
+        os.killpg(script.pid, signal.SIGKILL)  # the script and its forked child
+        script.communicate()
+        pytest.fail("a forked child's parallel torch operation hung")
+    assert script.returncode == 0, err
+    assert out.split() == ["1000000.0"]

@@ -16,6 +16,8 @@ back, through a pipe.
 * Leaving the ``with`` block without the result kills the child and reaps it.
 * Where forking is not safe, the function runs in this process at :meth:`Forked.result`: not on
   Linux, or with other threads running (a fork copies only the calling thread).
+* The child runs torch on one thread: a parent's OpenMP pool does not survive the fork, and the
+  child's first parallel torch operation would wait for it forever.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ def forked(fn: Callable, *args, **kwargs) -> "Forked":
         status = 1
         try:
             os.close(read)
+            _one_torch_thread()
             try:
                 payload = pickle.dumps((True, fn(*args, **kwargs)), protocol=pickle.HIGHEST_PROTOCOL)
             except BaseException as error:  # noqa: BLE001 - every error goes back to the caller
@@ -108,6 +111,15 @@ class Forked:
             except ProcessLookupError:
                 pass
             os.waitpid(self.pid, 0)
+
+
+def _one_torch_thread() -> None:
+    """In a forked child: torch's intra-op work on this thread alone. An OpenMP thread pool the parent
+    started is not in the child (a fork copies one thread), and the child's next parallel region would
+    wait for it forever; with one thread torch never enters one."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)
 
 
 def _error_payload(error: BaseException) -> bytes:

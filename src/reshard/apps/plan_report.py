@@ -158,11 +158,6 @@ def build_model_report(report: PlanReport, topology: Topology, *, figures: bool,
     from .simulate import METHODS, GiB, fit, model_figures
 
     fp8 = report.precision_plan is not None
-    reason = fit(report.refit, topology, report.policy)
-    record = {"topology": topology.name, "fits": reason is None, "does_not_fit": reason}
-    if reason is not None:  # the weights alone exceed a GPU: no time to model
-        record["modeled_s"] = dict.fromkeys(METHODS)
-        return ModelReport(topology, None, reason, None, None, None, fp8, record)
     refit, direct = report.refit, report.plan
     place = Placement.contiguous(topology, refit.train_world, refit.infer_world, infer_start="domain")
     rounds_cap = direct.max_bucket_bytes or 2 * GiB
@@ -171,7 +166,12 @@ def build_model_report(report: PlanReport, topology: Topology, *, figures: bool,
     baselines = None
     if figures and second_core:  # two baselines plan refits of their own: on the other core, from here on
         baselines = forked(_baseline_estimates, refit.source, refit.destination, topology, build, rounds_cap)
-    with baselines or nullcontext():
+    with baselines or nullcontext():  # leaving it without the result stops the child
+        reason = fit(refit, topology, report.policy)
+        record = {"topology": topology.name, "fits": reason is None, "does_not_fit": reason}
+        if reason is not None:  # the weights alone exceed a GPU: no time to model
+            record["modeled_s"] = dict.fromkeys(METHODS)
+            return ModelReport(topology, None, reason, None, None, None, fp8, record)
         refit_model = RefitModel.build(refit.source, refit.destination, topology, **build)
         modeled = model_figures(refit_model, rounds_cap=rounds_cap, baselines=baselines) if figures else None
     if modeled is not None:
