@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -195,7 +196,10 @@ def _simulate(args) -> int:
         console.print(progress_line(result, len(done), len(keys), time.perf_counter() - start), highlight=False,
                       soft_wrap=True)
 
-    with console.status(f"planning and modeling {len(keys)} case(s), {jobs} at a time ..."):
+    waiting = f"planning and modeling {len(keys)} case(s), {jobs} at a time ..."
+    if len(keys) == 1:  # one row runs here: no spinner thread, so two of its baselines can go to a forked child
+        console.print(waiting, highlight=False)
+    with console.status(waiting) if len(keys) > 1 else nullcontext():
         results = simulate_cases([known[key] for key in keys], jobs=jobs, max_bucket_bytes=options.max_bucket_bytes,
                                  precision=args.precision, on_result=finished)
     what = f"{args.precision.upper()} destination" if args.precision else "destination precision per case"

@@ -155,7 +155,7 @@ def build_model_report(report: PlanReport, topology: Topology, *, figures: bool,
     (:mod:`reshard.forked`) while this process models the rest (the same figures, sooner on two cores)."""
     from ..modeling.pipeline import RefitModel
     from ..modeling.topology import Placement
-    from .simulate import METHODS, GiB, fit, model_figures
+    from .simulate import METHODS, GiB, fit, model_figures, start_baselines
 
     fp8 = report.precision_plan is not None
     refit, direct = report.refit, report.plan
@@ -165,7 +165,8 @@ def build_model_report(report: PlanReport, topology: Topology, *, figures: bool,
                  max_bucket_bytes=direct.max_bucket_bytes)
     baselines = None
     if figures and second_core:  # two baselines plan refits of their own: on the other core, from here on
-        baselines = forked(_baseline_estimates, refit.source, refit.destination, topology, build, rounds_cap)
+        baselines = start_baselines(refit.source, refit.destination, topology, build, rounds_cap=rounds_cap,
+                                    bucket_bytes=GiB)
     with baselines or nullcontext():  # leaving it without the result stops the child
         reason = fit(refit, topology, report.policy)
         record = {"topology": topology.name, "fits": reason is None, "does_not_fit": reason}
@@ -178,19 +179,6 @@ def build_model_report(report: PlanReport, topology: Topology, *, figures: bool,
         record.update(modeled)
     plot_estimate = refit_model.estimate(refit_model.reshard)[1] if plots else None
     return ModelReport(topology, place, None, refit_model, modeled, plot_estimate, fp8, record)
-
-
-def _baseline_estimates(source, destination, topology: Topology, build: dict, rounds_cap: int) -> dict:
-    """Two of :func:`~reshard.apps.simulate.model_figures`' baselines (1 GiB buckets), the hybrid and the naive
-    gather-and-broadcast, from a model without the hierarchical plan (they need none): about half of what is
-    left to model once the direct plan is made."""
-    from ..modeling.pipeline import RefitModel
-    from .simulate import GiB
-
-    model = RefitModel.build(source, destination, topology, plan_hierarchical=False, **build)
-    model.hybrid(GiB, rounds_cap=rounds_cap)
-    model.gather_broadcast(GiB, variant="naive")
-    return model.baseline_estimates()
 
 
 def plan_record(report: PlanReport, modeled: ModelReport | None = None) -> dict:

@@ -47,13 +47,14 @@ import multiprocessing
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-from ..forked import Forked
+from ..forked import Forked, forked
 from ..frameworks.parallel import InferParallel, ModelLayouts, TrainParallel, model_layouts
 from ..gc_pause import without_gc
 from ..layout import Layout
@@ -187,6 +188,23 @@ def fit(lay: ModelLayouts, topology: Topology, policy: DtypePolicy | None = None
     return None
 
 
+def start_baselines(source: Layout, destination: Layout, topology: Topology, build: dict, *,
+                    rounds_cap: int | None, bucket_bytes: int | None) -> Forked:
+    """Fork a child that models two of :func:`model_figures`' baselines, the hybrid and the naive
+    gather-and-broadcast, on a model of the same refit without its hierarchical plan (they need none;
+    ``build``: the other keywords of :meth:`RefitModel.build`): pass it to ``model_figures(baselines=...)``.
+    They are about half of what is left to model once the direct plan is made."""
+    return forked(_baseline_estimates, source, destination, topology, build, rounds_cap, bucket_bytes)
+
+
+def _baseline_estimates(source: Layout, destination: Layout, topology: Topology, build: dict,
+                        rounds_cap: int | None, bucket_bytes: int | None) -> dict:
+    model = RefitModel.build(source, destination, topology, plan_hierarchical=False, **build)
+    model.hybrid(bucket_bytes, rounds_cap=rounds_cap)
+    model.gather_broadcast(bucket_bytes, variant="naive")
+    return model.baseline_estimates()
+
+
 @without_gc
 def model_figures(m: RefitModel, *, rounds_cap: int | None = 2 * GiB, bucket_bytes: int | None = GiB,
                   pipelined: bool = False, baselines: Forked | None = None) -> dict:
@@ -307,9 +325,9 @@ def fp8_problem(lay: ModelLayouts) -> tuple[Layout | None, str | None]:
 
 @without_gc
 def simulate_case(case: Case, *, max_bucket_bytes: int = 2 * GiB, gather_bucket_bytes: int | None = GiB,
-                  topology: Topology | None = None, precision: str | None = None) -> Result:
+                  topology: Topology | None = None, precision: str | None = None, second_core: bool = False) -> Result:
     """Build, plan and model one case (tens of seconds for the biggest) in ``precision`` (default: the
-    case's own)."""
+    case's own); ``second_core``: two baselines in a forked child meanwhile (:func:`start_baselines`)."""
     t0 = time.perf_counter()
     prec = check_precision(precision or case.precision)
     topo = topology or Topology.preset(case.topology)
@@ -328,11 +346,18 @@ def simulate_case(case: Case, *, max_bucket_bytes: int = 2 * GiB, gather_bucket_
     if policy is not None:
         pp = PrecisionPlan(lay.source, lay.destination, policy, held=held, assemble=dict(enumerate(
             placement.domain_of[:lay.train_world].tolist())))
-    m = RefitModel.build(lay.source, lay.destination, topo, placement=placement, policy=policy, precision=pp)
-    if m.hierarchical is None:
+    build = dict(placement=placement, policy=policy, precision=pp)
+    if topo.gpus_per_domain == 1:
         raise ValueError(f"case {case.key}: topology {topo.name} has no NVLink domains of several GPUs")
-    plan_s = time.perf_counter() - t0
-    figures = model_figures(m, rounds_cap=max_bucket_bytes, bucket_bytes=gather_bucket_bytes, pipelined=True)
+    baselines = None
+    if second_core:
+        baselines = start_baselines(lay.source, lay.destination, topo, build, rounds_cap=max_bucket_bytes,
+                                    bucket_bytes=gather_bucket_bytes)
+    with baselines or nullcontext():
+        m = RefitModel.build(lay.source, lay.destination, topo, **build)
+        plan_s = time.perf_counter() - t0
+        figures = model_figures(m, rounds_cap=max_bucket_bytes, bucket_bytes=gather_bucket_bytes, pipelined=True,
+                                baselines=baselines)
     figures.update(precision_figures(m))
     return Result(case, figures, None, plan_s, precision=prec)
 
@@ -343,12 +368,16 @@ ROW_MEMORY_BYTES = 6 * GiB  # about the most one row holds at once (moe2.4t-2048
 def default_jobs(num_cases: int) -> int:
     """Rows simulated at once by default: one per core, as many as memory holds (a row can take
     :data:`ROW_MEMORY_BYTES`), at most one per case."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = _cores()
     try:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         memory = ROW_MEMORY_BYTES
     return max(1, min(cores, memory // ROW_MEMORY_BYTES, num_cases))
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def size_hint(case: Case) -> int:
@@ -380,8 +409,9 @@ def simulate_cases(cases, *, jobs: int = 1, on_result: Callable[[Result], None] 
     report = on_result or (lambda result: None)
     if jobs <= 1 or len(cases) <= 1:
         results = []
+        spare = len(cases) == 1 and _cores() > 1  # one row: two of its baselines on another core
         for c in cases:
-            results.append(simulate_case(c, **options))
+            results.append(simulate_case(c, second_core=spare, **options))
             report(results[-1])
         return results
     order = sorted(range(len(cases)), key=lambda i: -size_hint(cases[i]))
