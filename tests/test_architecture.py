@@ -22,6 +22,7 @@ LAYERS: dict[str, set[str]] = {
     "errors": set(),
     "tensors": {"errors"},
     "gc_pause": set(),
+    "forked": set(),  # one function in a forked child: the apps' second core
     "quant": {"errors"},  # block FP8 quantization: torch only
     "placements": {"tensors"},
     "layout_checks": BASE,  # a layout's validation, on plain data
@@ -38,7 +39,7 @@ LAYERS: dict[str, set[str]] = {
     "integrations": BASE | {"placements", "layout", "models", "frameworks", "planning", "options", "execution",
                             "refit"},
     "apps": BASE | {"placements", "layout", "verify", "models", "frameworks", "planning", "options", "modeling",
-                    "execution",
+                    "execution", "forked",
                     "refit", "integrations"},
 }
 TOP = {"reshard", "reshard.__main__"}  # the package's public face may import anything
