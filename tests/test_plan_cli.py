@@ -1,5 +1,9 @@
 """`reshard plan`: a whole model's refit summary by name, and one-line errors for impossible configs."""
 
+import json
+import subprocess
+import sys
+
 import pytest
 
 import reshard as rs
@@ -46,3 +50,23 @@ def test_a_staging_cap_refit_options_refuse_names_the_flag(capsys):
     assert main(["plan", "--model", "qwen3-8b", "--train", "tp2", "--infer", "tp2", "--max-bucket-mb", "1e-5"]) == 2
     out = capsys.readouterr().out.strip()
     assert out == "reshard plan: --max-bucket-mb 1e-05: max_bucket_bytes=10 is smaller than 16 bytes"
+
+
+def _command(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``python -m reshard ...`` as a user runs it (the timeout is a margin for a busy host)."""
+    return subprocess.run([sys.executable, "-m", "reshard", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_planning_commands_exit_with_their_output_whole(tmp_path):
+    """``reshard plan`` and ``simulate`` leave without tearing down their objects (``cli.run``): what they print
+    and write is whole, and their exit status is the command's."""
+    done = _command("plan", "--model", "qwen3-8b", "--train", "tp2,pp2", "--infer", "tp4", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["tensors"] == 399
+    bad = _command("plan", "--model", "qwen3-30b-a3b", "--train", "tp1,ep6,pp2", "--infer", "tp8,dp2")
+    assert bad.returncode == 2 and "ep=6 does not divide the 128 experts" in bad.stdout
+    rows = tmp_path / "rows.json"
+    one = _command("simulate", "--cases", "qwen30-h100", "--png", "", "--json", str(rows))
+    assert one.returncode == 0, one.stderr
+    assert "qwen30-h100 done (1/1" in one.stdout and "modeled refit time" in one.stdout
+    assert [row["case"] for row in json.loads(rows.read_text())] == ["qwen30-h100"]

@@ -1,8 +1,6 @@
 """``python -m reshard demo``: the same as the ``reshard`` command."""
 
-import sys
-
-from .apps.cli import main
+from .apps.cli import run
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

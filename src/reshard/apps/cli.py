@@ -10,6 +10,7 @@ printed.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from contextlib import nullcontext
@@ -249,8 +250,29 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-__all__ = ["build_parser", "cap_bytes", "demo_config", "main", "model_from_args", "output_problem"]
+PLANNING_COMMANDS = ("plan", "simulate")  # they hold millions of objects when done, and start no service
+
+
+def run() -> None:
+    """The ``reshard`` command: :func:`main`, then exit. A planning command then leaves without freeing
+    its layouts and plans one object at a time (0.8-0.9 s of teardown measured after planning DeepSeek-V3);
+    its output is flushed first, and it has no exit handlers of its own to run. Other commands exit as usual.
+    """
+    argv = sys.argv[1:]
+    status = main(argv)
+    if argv[:1] and argv[0] in PLANNING_COMMANDS:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except OSError:  # a closed pipe: the usual exit reports it
+            sys.exit(status)
+        os._exit(status)
+    sys.exit(status)
+
+
+__all__ = ["PLANNING_COMMANDS", "build_parser", "cap_bytes", "demo_config", "main", "model_from_args",
+           "output_problem", "run"]
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    run()
