@@ -1,6 +1,7 @@
 """`reshard plan`: a whole model's refit summary by name, and one-line errors for impossible configs."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -53,8 +54,11 @@ def test_a_staging_cap_refit_options_refuse_names_the_flag(capsys):
 
 
 def _command(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    """``python -m reshard ...`` as a user runs it (the timeout is a margin for a busy host)."""
-    return subprocess.run([sys.executable, "-m", "reshard", *args], capture_output=True, text=True, timeout=timeout)
+    """``python -m reshard ...`` as a user runs it, its output block-buffered into pipes (the timeout is a
+    margin for a busy host)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    return subprocess.run([sys.executable, "-m", "reshard", *args], capture_output=True, text=True, env=env,
+                          timeout=timeout)
 
 
 def test_planning_commands_exit_with_their_output_whole(tmp_path):
