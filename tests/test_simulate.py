@@ -175,6 +175,14 @@ def test_the_plan_command_on_two_cores_gives_the_same_record(model, train, infer
     assert split_here == [2, 0 if sys.platform.startswith("linux") else 2]  # source and destination, once
 
 
+def test_one_row_on_two_cores_gives_the_same_figures(qwen30):
+    """A row simulated alone (``reshard simulate --cases KEY``) models two baselines in a forked child: the
+    figures are those of one process."""
+    engines, _ = qwen30
+    forked_row = simulate_case(KNOWN["qwen30-h100"], second_core=True)
+    assert json.dumps(forked_row.figures, sort_keys=True) == json.dumps(engines.figures, sort_keys=True)
+
+
 SMALL_PAGES_PROBE = """
 import os
 from numpy._core.multiarray import _get_madvise_hugepage

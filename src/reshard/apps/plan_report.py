@@ -151,8 +151,9 @@ def build_model_report(report: PlanReport, topology: Topology, *, figures: bool,
                        second_core: bool = False) -> ModelReport:
     """Model ``report``'s refit on ``topology``: whether its weights fit, and (``figures``) every modeled
     figure, with reshard's rounds under the plan's staging cap (2 GiB without one: rounds of 1 GiB) and 1 GiB broadcast
-    buckets; ``plots``: the estimate the plots show; ``second_core``: model the hybrid in a forked child
-    (:mod:`reshard.forked`) while this process models the rest (the same figures, sooner on two cores)."""
+    buckets; ``plots``: the estimate the plots show; ``second_core``: model two baselines in a forked child
+    (:func:`~reshard.apps.simulate.start_baselines`) while this process models the rest (the same figures,
+    sooner on two cores)."""
     from ..modeling.pipeline import RefitModel
     from ..modeling.topology import Placement
     from .simulate import METHODS, GiB, fit, model_figures, start_baselines
