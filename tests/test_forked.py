@@ -73,6 +73,19 @@ def test_a_child_that_dies_is_an_error_naming_the_signal():
             job.result()
 
 
+def _dies_in_a_child(parent: int) -> int:
+    if os.getpid() != parent:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return 7
+
+
+@linux_only
+def test_a_dead_childs_function_can_run_here_instead():
+    with forked(_dies_in_a_child, os.getpid()) as job:
+        with pytest.warns(RuntimeWarning, match=r"killed by SIGKILL\); running it in this process instead"):
+            assert job.result(here_if_dead=True) == 7
+
+
 def _exits():
     os._exit(3)
 

@@ -11,8 +11,8 @@ back, through a pipe.
 * An error raised in the child is raised again by :meth:`Forked.result`, with the child's
   traceback added as a note.
 * A child that dies without a result (killed, out of memory) makes :meth:`Forked.result` raise
-  ``ChildProcessError`` naming how it ended. The wait ends when the child exits or closes its
-  pipe, so a dead child is seen at once.
+  ``ChildProcessError`` naming how it ended, or run the function here instead (``here_if_dead``).
+  The wait ends when the child exits or closes its pipe, so a dead child is seen at once.
 * Leaving the ``with`` block without the result kills the child and reaps it.
 * Where forking is not safe, the function runs in this process at :meth:`Forked.result`: not on
   Linux, or with other threads running (a fork copies only the calling thread).
@@ -22,12 +22,14 @@ back, through a pipe.
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import signal
 import sys
 import threading
 import traceback
+import warnings
 from typing import Any, Callable
 
 
@@ -41,6 +43,7 @@ def forked(fn: Callable, *args, **kwargs) -> "Forked":
     :func:`can_fork` is false); use the returned job as a context manager."""
     if not can_fork():
         return in_this_process(fn, *args, **kwargs)
+    call = functools.partial(fn, *args, **kwargs)
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: compute, send, and leave without running this process's exit handlers
@@ -49,7 +52,7 @@ def forked(fn: Callable, *args, **kwargs) -> "Forked":
             os.close(read)
             _one_torch_thread()
             try:
-                payload = pickle.dumps((True, fn(*args, **kwargs)), protocol=pickle.HIGHEST_PROTOCOL)
+                payload = pickle.dumps((True, call()), protocol=pickle.HIGHEST_PROTOCOL)
             except BaseException as error:  # noqa: BLE001 - every error goes back to the caller
                 payload = _error_payload(error)
             with os.fdopen(write, "wb") as pipe:
@@ -58,7 +61,7 @@ def forked(fn: Callable, *args, **kwargs) -> "Forked":
         finally:
             os._exit(status)
     os.close(write)
-    return Forked(pid, read, None)
+    return Forked(pid, read, None, call)
 
 
 def in_this_process(fn: Callable, *args, **kwargs) -> "Forked":
@@ -68,19 +71,23 @@ def in_this_process(fn: Callable, *args, **kwargs) -> "Forked":
     ...     job.result()
     5
     """
-    return Forked(None, None, lambda: fn(*args, **kwargs))
+    return Forked(None, None, functools.partial(fn, *args, **kwargs))
 
 
 class Forked:
     """A function running in a forked child (see module doc)."""
 
-    def __init__(self, pid: int | None, read_fd: int | None, inline: Callable[[], Any] | None) -> None:
+    def __init__(self, pid: int | None, read_fd: int | None, inline: Callable[[], Any] | None,
+                 call: Callable[[], Any] | None = None) -> None:
         self.pid = pid
         self._read_fd = read_fd
         self._inline = inline
+        self._call = call  # what the child runs (to run here instead, see result)
 
-    def result(self) -> Any:
-        """The function's value; raises its error, or ``ChildProcessError`` if the child died first."""
+    def result(self, *, here_if_dead: bool = False) -> Any:
+        """The function's value; raises its error, or ``ChildProcessError`` if the child died first;
+        ``here_if_dead``: then run the function in this process instead, with a ``RuntimeWarning`` naming
+        how the child ended (a child killed for memory, say, costs time, not the answer)."""
         if self._inline is not None:
             inline, self._inline = self._inline, None
             return inline()
@@ -91,7 +98,11 @@ class Forked:
             payload = pipe.read()  # until the child closes its end: done, or dead
         _, status = os.waitpid(self.pid, 0)
         if not payload:
-            raise ChildProcessError(f"forked child {self.pid} ended without a result ({_how_it_ended(status)})")
+            problem = f"forked child {self.pid} ended without a result ({_how_it_ended(status)})"
+            if not here_if_dead:
+                raise ChildProcessError(problem)
+            warnings.warn(f"{problem}; running it in this process instead", RuntimeWarning, stacklevel=2)
+            return self._call()
         ok, value = pickle.loads(payload)
         if ok:
             return value

@@ -127,7 +127,7 @@ def build_plan_report(model: str, train: str, infer: str, *, independent_engines
         if second_core:  # this core meanwhile: what the record and the model need besides the summary
             (fp8_plan or direct).fingerprint()
             direct.pair_bytes
-        summary = summary.result()
+        summary = summary.result(here_if_dead=True)
     report = PlanReport(model, train, infer, precision, refit, direct, fp8_plan, policy, summary, plan_s, fp8_s, {})
     report.record = _plan_keys(report)
     return report

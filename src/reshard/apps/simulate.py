@@ -237,7 +237,7 @@ def model_figures(m: RefitModel, *, rounds_cap: int | None = 2 * GiB, bucket_byt
     b = bound.binding
     job = m.lower_bound(ingress="job").seconds  # ingress over the job's NICs only
     if baselines is not None:
-        m.adopt_estimates(baselines.result())
+        m.adopt_estimates(baselines.result(here_if_dead=True))
     modeled["hybrid"] = m.hybrid(bucket_bytes, rounds_cap=rounds_cap).seconds
     modeled["gather_broadcast"] = m.gather_broadcast(bucket_bytes, variant="fair").seconds
     modeled["gather_broadcast_naive"] = m.gather_broadcast(bucket_bytes, variant="naive").seconds
