@@ -1,11 +1,14 @@
 """``reshard.forked``: a function run in a forked child gives its value or its error back, a dead child is
-an error naming how it died, and a child whose result is not taken is stopped."""
+an error naming how it died, and a child whose result is not taken is stopped.
+
+The checks that fork run in a fresh interpreter (:mod:`fresh_interpreter`): this test process may hold
+threads other tests left, and with other threads running nothing is forked. The functions that end a
+process act only in a child, so none can end the process running them."""
 
 from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -15,15 +18,23 @@ import pytest
 
 from reshard.forked import can_fork, forked, in_this_process
 
+from fresh_interpreter import in_a_fresh_interpreter
+
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forked children run on Linux only")
+HERE = os.path.abspath(__file__)
+
+
+def _in_a_child(parent: int) -> bool:
+    if os.getpid() == parent:
+        raise AssertionError("ran in the parent: nothing was forked")
+    return True
 
 
 def _pid_and_sum(values):
     return os.getpid(), int(np.sum(values))
 
 
-@linux_only
-def test_the_function_runs_in_a_child_and_its_value_comes_back():
+def _check_value_comes_back():
     assert can_fork()
     big = np.arange(3_000_000)  # the child reads it without any pickling of inputs
     with forked(_pid_and_sum, big) as job:
@@ -37,13 +48,12 @@ def _fails():
     raise ValueError("tensor 'w' at fault")
 
 
-@linux_only
-def test_an_error_in_the_child_is_raised_here_with_the_childs_traceback():
+def _check_error_comes_back():
     with forked(_fails) as job:
         with pytest.raises(ValueError, match="tensor 'w' at fault") as caught:
             job.result()
     notes = "".join(caught.value.__notes__)
-    assert f"raised in forked child {job.pid}" in notes and "_fails" in notes
+    assert job.pid is not None and f"raised in forked child {job.pid}" in notes and "_fails" in notes
 
 
 class _Unpicklable(Exception):
@@ -55,20 +65,20 @@ def _fails_unpicklably():
     raise _Unpicklable("odd error")
 
 
-@linux_only
-def test_an_error_that_cannot_be_pickled_comes_back_by_name():
+def _check_unpicklable_error_comes_back_by_name():
     with forked(_fails_unpicklably) as job:
         with pytest.raises(RuntimeError, match="_Unpicklable: odd error"):
             job.result()
+    assert job.pid is not None
 
 
-def _dies():
-    os.kill(os.getpid(), signal.SIGKILL)
+def _dies(parent: int):
+    if _in_a_child(parent):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
-@linux_only
-def test_a_child_that_dies_is_an_error_naming_the_signal():
-    with forked(_dies) as job:
+def _check_dead_child_named():
+    with forked(_dies, os.getpid()) as job:
         with pytest.raises(ChildProcessError, match=f"forked child {job.pid} ended without a result.*SIGKILL"):
             job.result()
 
@@ -79,34 +89,56 @@ def _dies_in_a_child(parent: int) -> int:
     return 7
 
 
-@linux_only
-def test_a_dead_childs_function_can_run_here_instead():
+def _check_dead_childs_function_runs_here():
     with forked(_dies_in_a_child, os.getpid()) as job:
         with pytest.warns(RuntimeWarning, match=r"killed by SIGKILL\); running it in this process instead"):
             assert job.result(here_if_dead=True) == 7
+    assert job.pid is not None
 
 
-def _exits():
-    os._exit(3)
+def _exits(parent: int):
+    if _in_a_child(parent):
+        os._exit(3)
 
 
-@linux_only
-def test_a_child_that_exits_without_a_result_names_its_status():
-    with forked(_exits) as job:
+def _check_exit_status_named():
+    with forked(_exits, os.getpid()) as job:
         with pytest.raises(ChildProcessError, match="exit status 3"):
             job.result()
 
 
-@linux_only
-def test_a_result_not_taken_stops_the_child():
+def _check_result_not_taken_stops_the_child():
     started = time.monotonic()
     with forked(time.sleep, 600) as job:
         pid = job.pid
+    assert pid is not None
     assert time.monotonic() - started < 60  # killed and reaped, not waited for (the margin is for a busy host)
     with pytest.raises(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)
     with pytest.raises(RuntimeError, match="no result left"):
         job.result()
+
+
+def _check_torch_after_the_parents_parallel_torch():
+    """A forked child's parallel torch operation must not wait for the parent's OpenMP threads (which
+    are not in the child)."""
+    import torch
+
+    x = torch.randn(1500, 1500)
+    (x @ x).sum()  # the parent's OpenMP pool is started
+    with forked(lambda: float((x @ x).sum() - (x @ x).sum()) + float(torch.ones(10**6).sum())) as job:
+        assert job.result() == 1_000_000.0
+    assert job.pid is not None
+
+
+@linux_only
+@pytest.mark.parametrize("check", ["_check_value_comes_back", "_check_error_comes_back",
+                                   "_check_unpicklable_error_comes_back_by_name", "_check_dead_child_named",
+                                   "_check_dead_childs_function_runs_here", "_check_exit_status_named",
+                                   "_check_result_not_taken_stops_the_child",
+                                   "_check_torch_after_the_parents_parallel_torch"])
+def test_in_a_fresh_interpreter(check):
+    in_a_fresh_interpreter(HERE, check, timeout=180)
 
 
 def test_with_another_thread_running_the_function_runs_here():
@@ -131,30 +163,3 @@ def test_in_this_process_runs_at_result_and_raises_there():
     assert calls == [1]
     with in_this_process(_fails) as job, pytest.raises(ValueError, match="at fault"):
         job.result()
-
-
-TORCH_AFTER_FORK = """
-import torch
-from reshard.forked import forked
-
-x = torch.randn(1500, 1500)
-(x @ x).sum()  # the parent's OpenMP pool is started
-with forked(lambda: float((x @ x).sum() - (x @ x).sum()) + float(torch.ones(10**6).sum())) as job:
-    print(job.result())
-"""
-
-
-@linux_only
-def test_torch_in_the_child_after_the_parent_ran_parallel_torch():
-    """A forked child's parallel torch operation must not wait for the parent's OpenMP threads (which
-    are not in the child): run apart, so a hang fails here instead of stopping the suite."""
-    script = subprocess.Popen([sys.executable, "-c", TORCH_AFTER_FORK], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = script.communicate(timeout=180)  # seconds of work: the margin is for a busy host
-    except subprocess.TimeoutExpired:
-        os.killpg(script.pid, signal.SIGKILL)  # the script and its forked child
-        script.communicate()
-        pytest.fail("a forked child's parallel torch operation hung")
-    assert script.returncode == 0, err
-    assert out.split() == ["1000000.0"]

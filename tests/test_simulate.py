@@ -17,6 +17,8 @@ from reshard.apps.simulate import (CASES, METHODS, default_jobs, plot, rank_weig
                                    simulate_cases, to_json)
 from reshard.frameworks.parallel import model_layouts
 
+from fresh_interpreter import in_a_fresh_interpreter
+
 KNOWN = {c.key: c for c in CASES}
 
 
@@ -146,21 +148,26 @@ def test_plan_json_with_a_topology(capsys):
 
 @pytest.mark.parametrize("model, train, infer, precision", [("qwen3-30b-a3b", "ep8,pp2", "tp8,dp2", "bf16"),
                                                             ("qwen3-8b", "tp2,pp2", "tp4,dp2", "fp8")])
-def test_the_plan_command_on_two_cores_gives_the_same_record(model, train, infer, precision, monkeypatch):
+def test_the_plan_command_on_two_cores_gives_the_same_record(model, train, infer, precision):
     """``reshard plan --topology`` summarizes, and models two baselines, in forked children: its record is
     the one computed in one process, to the byte (the FP8 case: the baselines' staging cap comes from the
-    precision plan's wire), and this process uses the child's hybrid instead of modeling it again."""
+    precision plan's wire), and the parent uses the child's hybrid instead of modeling it again. Run in a
+    fresh interpreter: with the threads other tests leave here, nothing would be forked."""
+    in_a_fresh_interpreter(os.path.abspath(__file__), "_check_plan_command_on_two_cores", model, train, infer,
+                           precision)
+
+
+def _check_plan_command_on_two_cores(model, train, infer, precision):
     from reshard.apps.plan_report import build_model_report, build_plan_report, plan_record
     from reshard.forked import can_fork
     from reshard.modeling import pipeline
     from reshard.modeling.topology import Topology
     from reshard.options import RefitOptions
 
-    if sys.platform.startswith("linux"):
-        assert can_fork()  # else both runs would be in one process and this would compare nothing
+    assert can_fork()  # else both runs would be in one process and this would compare nothing
     hybrid_split_in = []  # processes that split the layouts for the hybrid (a forked child's calls stay there)
     split_layout = pipeline.split_layout
-    monkeypatch.setattr(pipeline, "split_layout", lambda *a: hybrid_split_in.append(os.getpid()) or split_layout(*a))
+    pipeline.split_layout = lambda *a: hybrid_split_in.append(os.getpid()) or split_layout(*a)
     options = RefitOptions(precision=None if precision == "bf16" else precision)
     records, split_here = [], []
     for second_core in (False, True):
@@ -172,15 +179,21 @@ def test_the_plan_command_on_two_cores_gives_the_same_record(model, train, infer
         split_here.append(len(hybrid_split_in))
     one, two = records
     assert one == two and '"hybrid"' in one and '"gather_broadcast_naive"' in one
-    assert split_here == [2, 0 if sys.platform.startswith("linux") else 2]  # source and destination, once
+    assert split_here == [2, 0]  # source and destination, once, in one process; none here on two cores
 
 
-def test_one_row_on_two_cores_gives_the_same_figures(qwen30):
+def test_one_row_on_two_cores_gives_the_same_figures():
     """A row simulated alone (``reshard simulate --cases KEY``) models two baselines in a forked child: the
-    figures are those of one process."""
-    engines, _ = qwen30
-    forked_row = simulate_case(KNOWN["qwen30-h100"], second_core=True)
-    assert json.dumps(forked_row.figures, sort_keys=True) == json.dumps(engines.figures, sort_keys=True)
+    figures are those of one process (in a fresh interpreter, as above)."""
+    in_a_fresh_interpreter(os.path.abspath(__file__), "_check_one_row_on_two_cores")
+
+
+def _check_one_row_on_two_cores():
+    from reshard.forked import can_fork
+
+    assert can_fork()
+    one, two = (simulate_case(KNOWN["qwen30-h100"], second_core=second_core) for second_core in (False, True))
+    assert json.dumps(two.figures, sort_keys=True) == json.dumps(one.figures, sort_keys=True)
 
 
 SMALL_PAGES_PROBE = """
