@@ -61,7 +61,7 @@ def forked(fn: Callable, *args, **kwargs) -> "Forked":
         finally:
             os._exit(status)
     os.close(write)
-    return Forked(pid, read, None, call)
+    return Forked(pid, read, call)
 
 
 def in_this_process(fn: Callable, *args, **kwargs) -> "Forked":
@@ -77,20 +77,18 @@ def in_this_process(fn: Callable, *args, **kwargs) -> "Forked":
 class Forked:
     """A function running in a forked child (see module doc)."""
 
-    def __init__(self, pid: int | None, read_fd: int | None, inline: Callable[[], Any] | None,
-                 call: Callable[[], Any] | None = None) -> None:
-        self.pid = pid
+    def __init__(self, pid: int | None, read_fd: int | None, call: Callable[[], Any]) -> None:
+        self.pid = pid  # None: nothing forked, the function runs here at result()
         self._read_fd = read_fd
-        self._inline = inline
-        self._call = call  # what the child runs (to run here instead, see result)
+        self._call: Callable[[], Any] | None = call  # the function (run here without a child, or if it died)
 
     def result(self, *, here_if_dead: bool = False) -> Any:
         """The function's value; raises its error, or ``ChildProcessError`` if the child died first;
         ``here_if_dead``: then run the function in this process instead, with a ``RuntimeWarning`` naming
         how the child ended (a child killed for memory, say, costs time, not the answer)."""
-        if self._inline is not None:
-            inline, self._inline = self._inline, None
-            return inline()
+        if self.pid is None and self._call is not None:  # nothing forked: run it here, once
+            call, self._call = self._call, None
+            return call()
         if self._read_fd is None:
             raise RuntimeError(f"forked child {self.pid}: no result left (taken already, or the job was closed)")
         with os.fdopen(self._read_fd, "rb") as pipe:

@@ -351,6 +351,9 @@ def simulate_case(case: Case, *, max_bucket_bytes: int = 2 * GiB, gather_bucket_
         raise ValueError(f"case {case.key}: topology {topo.name} has no NVLink domains of several GPUs")
     baselines = None
     if second_core:
+        if pp is None:  # the direct plan, made once here: the baselines' child reads it instead of planning it again
+            build["direct"] = RefitModel.build(lay.source, lay.destination, topo, plan_hierarchical=False,
+                                               **build).direct
         baselines = start_baselines(lay.source, lay.destination, topo, build, rounds_cap=max_bucket_bytes,
                                     bucket_bytes=gather_bucket_bytes)
     with baselines or nullcontext():
