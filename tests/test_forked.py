@@ -1,5 +1,5 @@
 """``reshard.forked``: a function run in a forked child gives its value or its error back, a dead child is
-an error naming how it died, and a child whose result is not taken is stopped.
+an error naming how it died, a stuck child is killed, and a child whose result is not taken is stopped.
 
 The checks that fork run in a fresh interpreter (:mod:`fresh_interpreter`): this test process may hold
 threads other tests left, and with other threads running nothing is forked. The functions that end a
@@ -119,6 +119,38 @@ def _check_result_not_taken_stops_the_child():
         job.result()
 
 
+def _sleeps_in_a_child(parent: int, seconds: float) -> str:
+    if os.getpid() != parent:  # stuck: uses no CPU time, sends nothing
+        time.sleep(seconds)
+    return "here"
+
+
+def _check_stuck_child_is_killed_and_named():
+    started = time.monotonic()
+    with forked(_sleeps_in_a_child, os.getpid(), 600) as job:
+        with pytest.raises(ChildProcessError, match=rf"forked child {job.pid} ended without a result \(stuck: no CPU "
+                                                    rf"time used and nothing sent for 2 s, killed\)"):
+            job.result(stuck_after_s=2)
+    assert time.monotonic() - started < 60  # the bound, not the child's 600 s (the margin is for a busy host)
+    with pytest.raises(ChildProcessError):  # reaped
+        os.waitpid(job.pid, os.WNOHANG)
+    with forked(_sleeps_in_a_child, os.getpid(), 600) as job:
+        with pytest.warns(RuntimeWarning, match=r"stuck.*killed\); running it in this process instead"):
+            assert job.result(stuck_after_s=2, here_if_dead=True) == "here"
+
+
+def _computes_for(seconds: float) -> int:
+    end, n = time.process_time() + seconds, 0
+    while time.process_time() < end:  # CPU time, not wall time: as long on a busy host
+        n += 1
+    return n
+
+
+def _check_computing_child_is_waited_for():
+    with forked(_computes_for, 6.0) as job:  # three times the bound below
+        assert job.result(stuck_after_s=2) > 0
+
+
 def _check_torch_after_the_parents_parallel_torch():
     """A forked child's parallel torch operation must not wait for the parent's OpenMP threads (which
     are not in the child)."""
@@ -136,6 +168,7 @@ def _check_torch_after_the_parents_parallel_torch():
                                    "_check_unpicklable_error_comes_back_by_name", "_check_dead_child_named",
                                    "_check_dead_childs_function_runs_here", "_check_exit_status_named",
                                    "_check_result_not_taken_stops_the_child",
+                                   "_check_stuck_child_is_killed_and_named", "_check_computing_child_is_waited_for",
                                    "_check_torch_after_the_parents_parallel_torch"])
 def test_in_a_fresh_interpreter(check):
     in_a_fresh_interpreter(HERE, check, timeout=180)

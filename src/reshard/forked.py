@@ -13,6 +13,9 @@ back, through a pipe.
 * A child that dies without a result (killed, out of memory) makes :meth:`Forked.result` raise
   ``ChildProcessError`` naming how it ended, or run the function here instead (``here_if_dead``).
   The wait ends when the child exits or closes its pipe, so a dead child is seen at once.
+* The wait is bounded: a child that neither uses CPU time nor sends a byte for ``stuck_after_s``
+  (:data:`STUCK_AFTER_S`) is stuck (a deadlock, a wait for something that is not in the copy): it is
+  killed, and treated as a dead child. A child that computes is waited for however long it takes.
 * Leaving the ``with`` block without the result kills the child and reaps it.
 * Where forking is not safe, the function runs in this process at :meth:`Forked.result`: not on
   Linux, or with other threads running (a fork copies only the calling thread).
@@ -25,12 +28,16 @@ from __future__ import annotations
 import functools
 import os
 import pickle
+import select
 import signal
 import sys
 import threading
+import time
 import traceback
 import warnings
 from typing import Any, Callable
+
+STUCK_AFTER_S = 60.0  # a child that uses no CPU time and sends nothing for this long is stuck
 
 
 def can_fork() -> bool:
@@ -82,8 +89,9 @@ class Forked:
         self._read_fd = read_fd
         self._call: Callable[[], Any] | None = call  # the function (run here without a child, or if it died)
 
-    def result(self, *, here_if_dead: bool = False) -> Any:
-        """The function's value; raises its error, or ``ChildProcessError`` if the child died first;
+    def result(self, *, here_if_dead: bool = False, stuck_after_s: float = STUCK_AFTER_S) -> Any:
+        """The function's value; raises its error, or ``ChildProcessError`` if the child died first (or was
+        stuck: no CPU time used and nothing sent for ``stuck_after_s`` seconds, then killed);
         ``here_if_dead``: then run the function in this process instead, with a ``RuntimeWarning`` naming
         how the child ended (a child killed for memory, say, costs time, not the answer)."""
         if self.pid is None and self._call is not None:  # nothing forked: run it here, once
@@ -91,12 +99,12 @@ class Forked:
             return call()
         if self._read_fd is None:
             raise RuntimeError(f"forked child {self.pid}: no result left (taken already, or the job was closed)")
-        with os.fdopen(self._read_fd, "rb") as pipe:
-            self._read_fd = None
-            payload = pipe.read()  # until the child closes its end: done, or dead
+        payload, stuck = self._read_until_closed(stuck_after_s)
         _, status = os.waitpid(self.pid, 0)
-        if not payload:
-            problem = f"forked child {self.pid} ended without a result ({_how_it_ended(status)})"
+        if not payload or stuck:
+            how = (f"stuck: no CPU time used and nothing sent for {stuck_after_s:g} s, killed" if stuck
+                   else _how_it_ended(status))
+            problem = f"forked child {self.pid} ended without a result ({how})"
             if not here_if_dead:
                 raise ChildProcessError(problem)
             warnings.warn(f"{problem}; running it in this process instead", RuntimeWarning, stacklevel=2)
@@ -108,6 +116,31 @@ class Forked:
         error.add_note(f"raised in forked child {self.pid}:\n{child_traceback}")
         raise error
 
+    def _read_until_closed(self, stuck_after_s: float) -> tuple[bytes, bool]:
+        """(what the child sent until it closed its pipe, whether it was killed as stuck instead)."""
+        fd, self._read_fd = self._read_fd, None
+        chunks: list[bytes] = []
+        cpu = _cpu_ticks(self.pid)
+        last_progress = time.monotonic()
+        try:
+            while True:
+                ready, _, _ = select.select([fd], [], [], min(1.0, stuck_after_s / 4))
+                if ready:
+                    data = os.read(fd, 1 << 20)
+                    if not data:  # the child closed its end: done, or dead
+                        return b"".join(chunks), False
+                    chunks.append(data)
+                    last_progress = time.monotonic()
+                    continue
+                now_cpu = _cpu_ticks(self.pid)
+                if now_cpu is None or now_cpu != cpu:  # computing (or unknown: no /proc to read)
+                    cpu, last_progress = now_cpu, time.monotonic()
+                elif time.monotonic() - last_progress > stuck_after_s:
+                    _kill(self.pid)
+                    return b"", True
+        finally:
+            os.close(fd)
+
     def __enter__(self) -> "Forked":
         return self
 
@@ -115,11 +148,26 @@ class Forked:
         if self._read_fd is not None:  # the result was not taken: stop the child and reap it
             os.close(self._read_fd)
             self._read_fd = None
-            try:
-                os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _kill(self.pid)
             os.waitpid(self.pid, 0)
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _cpu_ticks(pid: int) -> int | None:
+    """CPU time (user + system, in clock ticks) process ``pid`` has used, from ``/proc``; None where
+    it cannot be read (then every look counts as progress)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of the line
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _one_torch_thread() -> None:
