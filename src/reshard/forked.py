@@ -101,7 +101,7 @@ class Forked:
             raise RuntimeError(f"forked child {self.pid}: no result left (taken already, or the job was closed)")
         payload, stuck = self._read_until_closed(stuck_after_s)
         _, status = os.waitpid(self.pid, 0)
-        if not payload or stuck:
+        if not payload:  # dead, or killed as stuck
             how = (f"stuck: no CPU time used and nothing sent for {stuck_after_s:g} s, killed" if stuck
                    else _how_it_ended(status))
             problem = f"forked child {self.pid} ended without a result ({how})"
@@ -117,7 +117,7 @@ class Forked:
         raise error
 
     def _read_until_closed(self, stuck_after_s: float) -> tuple[bytes, bool]:
-        """(what the child sent until it closed its pipe, whether it was killed as stuck instead)."""
+        """(what the child sent until it closed its pipe, whether it was killed as stuck instead: then nothing)."""
         fd, self._read_fd = self._read_fd, None
         chunks: list[bytes] = []
         cpu = _cpu_ticks(self.pid)
