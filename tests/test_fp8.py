@@ -643,3 +643,40 @@ def test_tensors_sharing_piece_arrays_each_get_their_own_scale_buffers():
         assert tuple(got.buffers) == tuple(alone.buffers) == own
         for field in ("ranks", "offsets", "sizes", "buffer_offsets"):
             assert np.array_equal(getattr(got, field), getattr(alone, field)), (name, field)
+
+
+def test_wire_tables_of_tensors_sharing_piece_arrays_equal_each_tensor_planned_alone():
+    """The precision plan works out the wire's arrays once for tensors alike (a model's experts: the cut
+    destination boxes, the staging of their blocks); every wire table and staging buffer must still be what
+    a plan of that tensor alone gives, under that tensor's own buffer names. FSDP over 3 ranks cuts blocks,
+    so both paths (quantized at a source after assembly, raw) are taken."""
+    from reshard.frameworks.parallel import model_layouts
+    from reshard.models import tiny_arch
+    from reshard.planning.hybrid import tensor_subset
+    from reshard.planning.fp8_blocks import RAW_SUFFIX
+
+    lay = model_layouts(tiny_arch("qwen3-30b-a3b"), "fsdp:dp3", "tp2,dp2,independent")
+    policy = DtypePolicy.fp8(block=(16, 16))
+    assemble = {0: 0, 1: 0, 2: 1}
+    whole = PrecisionPlan(lay.source, lay.destination, policy, assemble=assemble)
+    experts = [n for n in whole.fp8 if ".experts." in n]
+    assert len({id(lay.destination.tables[n].offsets) for n in experts}) < len(experts) / 4
+    paths = set()
+    for name in experts:
+        alone = PrecisionPlan(tensor_subset(lay.source, [name]), tensor_subset(lay.destination, [name]), policy,
+                              assemble=assemble)
+        for side in ("source", "destination"):
+            got, want = getattr(whole.wire, side), getattr(alone.wire, side)
+            for wire_name in (name, scale_name(name), name + RAW_SUFFIX):
+                assert (wire_name in got.tables) == (wire_name in want.tables), (side, wire_name)
+                if wire_name not in want.tables:
+                    continue
+                paths.add(wire_name[len(name):])
+                assert got.specs[wire_name] == want.specs[wire_name]
+                g, w = got.tables[wire_name], want.tables[wire_name]
+                assert tuple(g.buffers) == tuple(w.buffers), (side, wire_name)
+                for field in ("ranks", "offsets", "sizes", "buffer_offsets"):
+                    assert np.array_equal(getattr(g, field), getattr(w, field)), (side, wire_name, field)
+                for rank, buffer in zip(g.ranks.tolist(), g.buffers):
+                    assert got.buffer_spec(rank, buffer) == want.buffer_spec(rank, buffer), (side, wire_name, rank)
+    assert paths == {"", "_scale_inv", RAW_SUFFIX}  # both paths taken

@@ -259,3 +259,35 @@ def test_from_torch_placement():
     assert from_torch_placement(TShard(1)) == rs.Shard(1)
     assert from_torch_placement(TReplicate()) == rs.Replicate()
     assert from_torch_placement(_StridedShard(0, split_factor=3)) == rs.StridedShard(0, 3)
+
+
+NAMES, DTYPES = ["a", "b", "c", "d"], [torch.float32, torch.bfloat16, torch.float8_e4m3fn]
+buffer_maps = st.dictionaries(st.sampled_from(NAMES), st.sampled_from(DTYPES), max_size=4)
+
+
+@settings(max_examples=200, deadline=None)
+@given(base=st.lists(buffer_maps, min_size=1, max_size=2), extras=st.lists(buffer_maps, min_size=1, max_size=4))
+def test_overlaid_rank_buffers_give_the_dtypes_of_plain_copies(base, extras):
+    """Ranks whose buffers are a shared base plus their own staging (:meth:`RankBuffers.overlay`, which keeps
+    the parts where no name is in both) agree on each name's dtype exactly where plain copies do."""
+    from reshard.layout import RankBuffers
+
+    def descs(named):
+        return {name: ((2,), dtype) for name, dtype in named.items()}
+
+    shared = [RankBuffers(descs(b)) for b in base]
+    overlaid = {r: RankBuffers.overlay(shared[r % len(shared)], descs(e)) for r, e in enumerate(extras)}
+    plain = {r: {**descs(base[r % len(base)]), **descs(e)} for r, e in enumerate(extras)}
+    assert {r: dict(b) for r, b in overlaid.items()} == plain
+    got, want = rs.Layout({}, {}, overlaid)._dtype_by_name(), rs.Layout({}, {}, plain)._dtype_by_name()
+    assert got == want
+
+
+def test_common_itemsize_of_pieces_in_buffers_of_several_names():
+    """A tensor whose pieces live in staging numbered per rank (``w@raw/0``, ``w@raw/1``) has one element
+    size where those buffers agree on a dtype, and none where they do not."""
+    spec = rs.TensorSpec("w", (4, 2), torch.float32)
+    pieces = [rs.Piece("w", (0, 0), (2, 2), "w@raw/0", (0, 0), 0), rs.Piece("w", (2, 0), (2, 2), "w@raw/1", (0, 0), 0)]
+    for second, size in ((torch.bfloat16, 2), (torch.float32, None)):
+        buffers = {0: {"w@raw/0": ((2, 2), torch.bfloat16), "w@raw/1": ((2, 2), second)}}
+        assert rs.Layout.from_pieces([spec], pieces, buffers).common_itemsize(["w"]) == size

@@ -53,11 +53,34 @@ class RankBuffers(dict):
     {'w': torch.float32}
     """
 
-    __slots__ = ("_dtypes",)
+    __slots__ = ("_dtypes", "_parts")
 
     def __init__(self, *args, **kwargs) -> None:
         dict.__init__(self, *args, **kwargs)
         self._dtypes: dict[str, torch.dtype] | None = None
+        self._parts: tuple[RankBuffers, RankBuffers] | None = None
+
+    @classmethod
+    def overlay(cls, base: "RankBuffers", extra: BufferDescs) -> "RankBuffers":
+        """``base``'s buffers and then ``extra``'s (a rank's own staging beside buffers many ranks share).
+        Where no name is in both, the parts are kept: :meth:`dtype_maps` then gives ``base``'s map, worked
+        out once for every rank sharing it, and ``extra``'s.
+
+        >>> base = RankBuffers({"w": ((4,), torch.float32)})
+        >>> rank = RankBuffers.overlay(base, {"w@raw/0": ((2,), torch.bfloat16)})
+        >>> list(rank), rank.dtype_maps()[0] is base.dtypes
+        (['w', 'w@raw/0'], True)
+        """
+        out = cls(base)
+        dict.update(out, extra)
+        if len(out) == len(base) + len(extra):  # no name in both: the parts hold what the rank holds
+            out._parts = (base, extra if type(extra) is RankBuffers else cls(extra))
+        return out
+
+    def dtype_maps(self) -> list[dict[str, torch.dtype]]:
+        """``{name: dtype}`` maps whose union is :attr:`dtypes` (names in one of them only): the parts of an
+        :meth:`overlay`, else :attr:`dtypes` alone."""
+        return [self.dtypes] if self._parts is None else [part.dtypes for part in self._parts]
 
     def _read_only(self, *args, **kwargs):
         raise TypeError("a layout's RankBuffers is shared and read-only: copy it with dict(...)")
@@ -332,7 +355,8 @@ class Layout:
     def _dtype_by_name(self) -> dict[str, torch.dtype | None]:
         """Each buffer name's dtype when every rank agrees on it, else ``None``."""
         if self._dtypes is None:
-            maps = list({id(named): named.dtypes for named in self._buffers.values()}.values())
+            # each distinct map once: ranks share them, and an overlay's base is shared by many ranks
+            maps = list({id(m): m for named in self._buffers.values() for m in named.dtype_maps()}.values())
             seen: dict[str, torch.dtype | None] = dict(maps[0]) if maps else {}
             for more in maps[1:]:
                 for b, dt in more.items():
@@ -360,9 +384,10 @@ class Layout:
         return None if dtype is None else dtype.itemsize
 
     def common_itemsize(self, names: Iterable[str]) -> int | None:
-        """Bytes per element of every piece of every tensor in ``names``, where :meth:`buffer_itemsize`
-        gives one size for all of them; else None. One pass without a method call per tensor (the
-        planner asks this for every geometry of a model).
+        """Bytes per element of every piece of every tensor in ``names``, where all their buffers have
+        dtypes every rank agrees on, of one size; else None. One pass without a method call per tensor
+        (the planner asks this for every geometry of a model). A tensor's pieces may live in buffers of
+        several names (staging numbered per rank: ``w@raw/0``, ``w@raw/1``).
 
         >>> import torch, reshard as rs
         >>> lay = rs.Layout.from_placements(rs.TensorSpec("w", (4,), torch.float32), [0, 1], (2,), [rs.Shard(0)])
@@ -374,8 +399,13 @@ class Layout:
         by_name, tables = self._dtype_by_name(), self.tables
         found = None
         for name in names:
-            one = tables[name].one_buffer()
-            dtype = None if one is None else by_name.get(one)
+            table = tables[name]
+            one = table.one_buffer()
+            if one is not None:
+                dtype = by_name.get(one)
+            else:  # several names: one dtype if every name's agrees
+                dtypes = {by_name.get(b) for b in set(table.buffers)}
+                dtype = dtypes.pop() if len(dtypes) == 1 else None
             if dtype is None or (found is not None and dtype.itemsize != found):
                 return None
             found = dtype.itemsize

@@ -54,7 +54,7 @@ import numpy as np
 import torch
 
 from ..gc_pause import without_gc
-from ..layout import Layout, PieceTable, Repeated, shared_geometry_key
+from ..layout import Layout, PieceTable, RankBuffers, Repeated, read_only, shared_geometry_key
 from ..quant import FP8_DTYPE
 from ..tensors import LayoutError, TensorSpec, dtype_name
 from .dtype_policy import (FP8_PATTERNS, KEEP, Cast, DtypePolicy, FP8Block, Keep, MXFP8Block, Precision,
@@ -73,19 +73,10 @@ PRECISION_PLAN_FORMAT = 1
 SOURCE, DESTINATION, ASSEMBLED = 1, 2, 3  # block_paths codes: where a block is quantized (3: on a source
 # rank after its domain's ranks handed it the block's rows, fp8_assembly)
 
+NO_BOXES = AssemblyBoxes(*read_only(tuple(AssemblyBoxes.empty())))  # a tensor nothing is assembled for
 Staging = dict[int, dict[str, tuple[tuple[int, ...], torch.dtype]]]  # {rank: {buffer: (shape, dtype)}}
 # (wire source, wire destination) -> the plan that moves the wire tensors (a method's plan maker)
 WireMaker = Callable[[Layout, Layout], PhasedPlan]
-
-
-def _rows_cut_to(table: PieceTable, rows: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> PieceTable:
-    """Pieces ``rows`` of ``table`` cut to the boxes (``offsets``, ``sizes``) inside them, in place in
-    their buffers."""
-    buffer_offsets = table.buffer_offsets[rows].copy()
-    buffer_offsets[:, -2:] += offsets - table.offsets[rows]
-    one = table.one_buffer()
-    buffers = Repeated(one, len(rows)) if one is not None else tuple(table.buffers[i] for i in rows.tolist())
-    return PieceTable(table.ranks[rows], offsets, sizes, buffers, buffer_offsets)
 
 
 def _with_assembled(table: PieceTable, boxes: AssemblyBoxes, dtype: torch.dtype, shared: dict | None
@@ -135,9 +126,9 @@ class _WireTensors:
         scale_dtype = info.precision.scale_dtype
         offsets, sizes, zeros, value_descs = self._boxes(geometry, "whole", shape, block, FP8_DTYPE)
         grid_sizes, grid_zeros, scale_descs = self._grid(geometry, scale_dtype)
-        self.source_specs[name] = TensorSpec(name, shape, FP8_DTYPE)
+        self.source_specs[name] = _spec(destination.specs[name], shape, FP8_DTYPE)
         self.source_tables[name] = self._wire_table(info.whole_ranks, offsets, sizes, info.whole_names, zeros)
-        self.source_specs[scale] = TensorSpec(scale, geometry.grid, scale_dtype)
+        self.source_specs[scale] = _spec(destination.specs[scale], geometry.grid, scale_dtype)
         scale_names = staging_names(scale + FP8_STAGING, info.whole_ranks, self.shared)  # a rank's k-th: its k-th values'
         self.source_tables[scale] = self._wire_table(info.whole_ranks, geometry.whole_lo, grid_sizes, scale_names,
                                                      grid_zeros)
@@ -145,13 +136,12 @@ class _WireTensors:
                 self._rank_list(info.whole_ranks), info.whole_names, scale_names, value_descs, scale_descs):
             self.source_staging[rank][values_buffer] = value_desc
             self.source_staging[rank][scales_buffer] = scale_desc
-        rows = geometry.fp8_rows
         offsets, sizes, _, _ = self._boxes(geometry, "fp8", shape, block, FP8_DTYPE)
         self.destination_specs[name] = destination.specs[name]
-        self.destination_tables[name] = _rows_cut_to(destination.tables[name], rows, offsets.copy(), sizes.copy())
+        self.destination_tables[name] = self._rows_cut_to(destination.tables[name], geometry, offsets, sizes)
         self.destination_specs[scale] = destination.specs[scale]
-        self.destination_tables[scale] = _rows_cut_to(destination.tables[scale], rows, geometry.fp8_lo,
-                                                      geometry.fp8_hi - geometry.fp8_lo)
+        grid_lo, grid_sizes = self._fp8_grid(geometry)
+        self.destination_tables[scale] = self._rows_cut_to(destination.tables[scale], geometry, grid_lo, grid_sizes)
 
     def add_raw(self, info: Fp8Tensor, source: Layout) -> None:
         """Blocks no source holds whole: ``<name>@raw`` in the source's dtype, from the source's pieces
@@ -162,12 +152,37 @@ class _WireTensors:
         raw = name + RAW_SUFFIX
         shape = source.specs[name].shape
         offsets, sizes, zeros, descs = self._boxes(geometry, "raw", shape, info.block, info.source_dtype)
-        self.source_specs[raw] = TensorSpec(raw, shape, info.source_dtype)
+        self.source_specs[raw] = self.destination_specs[raw] = TensorSpec(raw, shape, info.source_dtype)
         self.source_tables[raw] = source.tables[name]
-        self.destination_specs[raw] = TensorSpec(raw, shape, info.source_dtype)
         self.destination_tables[raw] = self._wire_table(info.raw_ranks, offsets, sizes, info.raw_names, zeros)
         for rank, buffer, desc in zip(self._rank_list(info.raw_ranks), info.raw_names, descs):
             self.destination_staging[rank][buffer] = desc
+
+    def _rows_cut_to(self, table: PieceTable, geometry: BlockGeometry, offsets: np.ndarray, sizes: np.ndarray
+                     ) -> PieceTable:
+        """``table``'s pieces ``geometry.fp8_rows`` cut to the boxes (``offsets``, ``sizes``) inside them, in place
+        in their buffers; the arrays worked out once for the tables alike (read-only), the buffer names each
+        table's own."""
+        rows = geometry.fp8_rows
+        key = ("cut", id(table.ranks), id(table.offsets), id(table.buffer_offsets), id(rows), id(offsets), id(sizes))
+        hit = self.shared.get(key)
+        if hit is None:
+            buffer_offsets = table.buffer_offsets[rows].copy()
+            buffer_offsets[:, -2:] += offsets - table.offsets[rows]
+            arrays = read_only((table.ranks[rows], offsets, sizes, buffer_offsets))
+            hit = self.shared[key] = ((table.ranks, table.offsets, table.buffer_offsets, rows, offsets, sizes), arrays)
+        ranks, offsets, sizes, buffer_offsets = hit[1]
+        one = table.one_buffer()
+        buffers = Repeated(one, len(rows)) if one is not None else tuple(table.buffers[i] for i in rows.tolist())
+        return PieceTable(ranks, offsets, sizes, buffers, buffer_offsets)
+
+    def _fp8_grid(self, geometry: BlockGeometry) -> tuple[np.ndarray, np.ndarray]:
+        """(grid offsets, grid sizes) of a geometry's FP8-path boxes, worked out once (read-only)."""
+        key = ("fp8 grid", id(geometry))
+        hit = self.shared.get(key)
+        if hit is None:
+            hit = self.shared[key] = (geometry, read_only((geometry.fp8_lo, geometry.fp8_hi - geometry.fp8_lo)))
+        return hit[1]
 
     def _wire_table(self, ranks: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, names, buffer_offsets: np.ndarray
                     ) -> PieceTable:
@@ -312,7 +327,7 @@ class PrecisionPlan:
                               f"({held}); block FP8 quantizes from one source precision")
         shape = self.destination.specs[name].shape
         at_source = self.at_source(name)
-        boxes = AssemblyBoxes.empty()
+        boxes = NO_BOXES
         if self.assemble is not None and at_source:
             asm_key = ("assembly", shape, precision.block, source_table.geometry_key(shared),
                        source_table.buffer_offsets.shape[1])
@@ -533,6 +548,11 @@ class PrecisionPlan:
         return self.wire.source_reads(rank)
 
 
+def _spec(spec: TensorSpec, shape: tuple[int, ...], dtype: torch.dtype) -> TensorSpec:
+    """``spec`` where it already is ``(spec.name, shape, dtype)`` (specs are frozen: tensors may share one), else a new one."""
+    return spec if spec.shape == shape and spec.dtype == dtype else TensorSpec(spec.name, shape, dtype)
+
+
 def _uniform(layout: Layout, name: str) -> torch.dtype:
     dtype = layout.buffer_dtypes(name).uniform
     return dtype if dtype is not None else layout.specs[name].dtype
@@ -543,7 +563,8 @@ def _with(layout: Layout, staging: Mapping[int, Mapping]) -> dict[int, Mapping]:
     keep the shared mappings)."""
     out: dict[int, Mapping] = {rank: layout.buffer_map(rank) for rank in layout.ranks}
     for rank, named in staging.items():
-        out[rank] = {**out.get(rank, {}), **named}
+        base = out.get(rank)
+        out[rank] = RankBuffers(named) if base is None else RankBuffers.overlay(base, named)
     return out
 
 
