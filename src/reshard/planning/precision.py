@@ -549,7 +549,8 @@ class PrecisionPlan:
 
 
 def _spec(spec: TensorSpec, shape: tuple[int, ...], dtype: torch.dtype) -> TensorSpec:
-    """``spec`` where it already is ``(spec.name, shape, dtype)`` (specs are frozen: tensors may share one), else a new one."""
+    """``spec`` where it already is ``(spec.name, shape, dtype)`` (specs are frozen: tensors may share one), else
+    a new one."""
     return spec if spec.shape == shape and spec.dtype == dtype else TensorSpec(spec.name, shape, dtype)
 
 
