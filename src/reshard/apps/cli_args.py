@@ -350,9 +350,9 @@ def simulate_parser(sub) -> argparse.ArgumentParser:
             "model differs from the published setup; a layout whose weights exceed a GPU's memory is reported "
             "as not fitting. The Kimi-K2 rows refit FSDP2 BF16 training into FP8 engines, as published "
             "(--precision sets every row's destination precision). Pure computation: no process group, no GPU. "
-            "Every case takes about 60-90 s on a 2-core machine with the default --jobs, depending on the "
-            "host's load (its rows 120-170 s one after another), the 2.4 T-parameter MoE's three rows and "
-            "kimi-h100 most of it; each row prints a line as soon as it is done (the small ones within "
+            "Every case takes one to two and a half minutes on a 2-core machine with the default --jobs "
+            "(54-147 s measured on one host, depending on its load; about twice that one row after another), "
+            "the 2.4 T-parameter MoE's three rows and kimi-h100 most of it; each row prints a line as soon as it is done (the small ones within "
             "seconds), the table follows; --cases picks rows."),
     )
     parser.add_argument("--cases", default=",".join(c.key for c in CASES),
