@@ -285,9 +285,14 @@ def test_overlaid_rank_buffers_give_the_dtypes_of_plain_copies(base, extras):
 
 def test_common_itemsize_of_pieces_in_buffers_of_several_names():
     """A tensor whose pieces live in staging numbered per rank (``w@raw/0``, ``w@raw/1``) has one element
-    size where those buffers agree on a dtype, and none where they do not."""
+    size and dtype where those buffers agree on a dtype, and none where they do not; the dtypes found from
+    the names are those of each piece's buffer."""
     spec = rs.TensorSpec("w", (4, 2), torch.float32)
     pieces = [rs.Piece("w", (0, 0), (2, 2), "w@raw/0", (0, 0), 0), rs.Piece("w", (2, 0), (2, 2), "w@raw/1", (0, 0), 0)]
     for second, size in ((torch.bfloat16, 2), (torch.float32, None)):
         buffers = {0: {"w@raw/0": ((2, 2), torch.bfloat16), "w@raw/1": ((2, 2), second)}}
-        assert rs.Layout.from_pieces([spec], pieces, buffers).common_itemsize(["w"]) == size
+        lay = rs.Layout.from_pieces([spec], pieces, buffers)
+        assert lay.common_itemsize(["w"]) == lay.buffer_itemsize("w") == size
+        found, per_piece = lay.buffer_dtypes("w"), [torch.bfloat16, second]
+        assert list(found.per_piece) == per_piece and found.itemsizes.tolist() == [d.itemsize for d in per_piece]
+        assert found.uniform == lay.uniform_dtype("w") == (torch.bfloat16 if size else None)

@@ -377,8 +377,8 @@ class Layout:
         return None if dtype is None else dtype.itemsize
 
     def buffer_itemsize(self, name: str) -> int | None:
-        """Bytes per element of the buffer every piece of tensor ``name`` lives in, where they share
-        one buffer name whose dtype every rank agrees on; else None (ask :meth:`buffer_dtypes`). A
+        """Bytes per element of the buffers every piece of tensor ``name`` lives in, where their names'
+        dtypes are ones every rank agrees on, all one; else None (ask :meth:`buffer_dtypes`). A
         look-up per tensor, for callers that need only the element size."""
         dtype = self._one_dtype(self.tables[name])
         return None if dtype is None else dtype.itemsize
@@ -396,16 +396,10 @@ class Layout:
         """
         if self._single_dtype is not None:
             return self._single_dtype.itemsize
-        by_name, tables = self._dtype_by_name(), self.tables
+        tables, one_dtype = self.tables, self._one_dtype
         found = None
         for name in names:
-            table = tables[name]
-            one = table.one_buffer()
-            if one is not None:
-                dtype = by_name.get(one)
-            else:  # several names: one dtype if every name's agrees
-                dtypes = {by_name.get(b) for b in set(table.buffers)}
-                dtype = dtypes.pop() if len(dtypes) == 1 else None
+            dtype = one_dtype(tables[name])
             if dtype is None or (found is not None and dtype.itemsize != found):
                 return None
             found = dtype.itemsize
@@ -413,8 +407,8 @@ class Layout:
 
     def uniform_dtype(self, name: str) -> torch.dtype | None:
         """The dtype every piece of tensor ``name`` lives in, where they agree, else None:
-        ``buffer_dtypes(name).uniform``, without working out each piece's where one buffer name
-        tells it (a look-up per tensor, for callers that ask of every tensor of a model).
+        ``buffer_dtypes(name).uniform``, without working out each piece's where the buffer names
+        tell it (a look-up per tensor, for callers that ask of every tensor of a model).
 
         >>> import torch
         >>> from reshard.placements import Shard
@@ -425,12 +419,16 @@ class Layout:
         return self._one_dtype(self.tables[name]) or self.buffer_dtypes(name).uniform
 
     def _one_dtype(self, table: PieceTable) -> torch.dtype | None:
-        """The dtype of every piece of ``table`` known without a look at the pieces: one dtype
-        everywhere, or one buffer name whose dtype every rank agrees on; else None."""
+        """The dtype of every piece of ``table`` known from its buffer names alone: one dtype
+        everywhere, or buffer names whose dtypes every rank agrees on, all one; else None."""
         if self._single_dtype is not None:
             return self._single_dtype
         one = table.one_buffer()
-        return None if one is None else self._dtype_by_name().get(one)
+        if one is not None:
+            return self._dtype_by_name().get(one)
+        by_name = self._dtype_by_name()  # several names (staging numbered per rank: w@raw/0, w@raw/1)
+        dtypes = {by_name.get(b) for b in set(table.buffers)}
+        return dtypes.pop() if len(dtypes) == 1 else None
 
     def _dtypes_of_pieces(self, table: PieceTable) -> list[torch.dtype]:
         """The dtype of each piece's buffer, by buffer name where every rank agrees on it, else by rank."""
