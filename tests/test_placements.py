@@ -261,19 +261,20 @@ def test_from_torch_placement():
     assert from_torch_placement(_StridedShard(0, split_factor=3)) == rs.StridedShard(0, 3)
 
 
-NAMES, DTYPES = ["a", "b", "c", "d"], [torch.float32, torch.bfloat16, torch.float8_e4m3fn]
-buffer_maps = st.dictionaries(st.sampled_from(NAMES), st.sampled_from(DTYPES), max_size=4)
+NAMES, DTYPES = ["a", "a@raw/0", "b", "b@raw/1", "c", "d"], [torch.float32, torch.bfloat16, torch.float8_e4m3fn]
+buffer_maps = st.dictionaries(st.sampled_from(NAMES), st.sampled_from(DTYPES), max_size=6)
 
 
 @settings(max_examples=200, deadline=None)
 @given(base=st.lists(buffer_maps, min_size=1, max_size=2), extras=st.lists(buffer_maps, min_size=1, max_size=4))
 def test_overlaid_rank_buffers_give_the_dtypes_of_plain_copies(base, extras):
     """Ranks whose buffers are a shared base plus their own staging (:meth:`RankBuffers.overlay`, which keeps
-    the parts where no name is in both) agree on each name's dtype exactly where plain copies do."""
+    the parts where no name is in both) agree on each name's dtype exactly where plain copies do, and render
+    for a plan's fingerprint the text of plain copies."""
     from reshard.layout import RankBuffers
 
     def descs(named):
-        return {name: ((2,), dtype) for name, dtype in named.items()}
+        return {name: ((len(name),), dtype) for name, dtype in named.items()}
 
     shared = [RankBuffers(descs(b)) for b in base]
     overlaid = {r: RankBuffers.overlay(shared[r % len(shared)], descs(e)) for r, e in enumerate(extras)}
@@ -281,6 +282,9 @@ def test_overlaid_rank_buffers_give_the_dtypes_of_plain_copies(base, extras):
     assert {r: dict(b) for r, b in overlaid.items()} == plain
     got, want = rs.Layout({}, {}, overlaid)._dtype_by_name(), rs.Layout({}, {}, plain)._dtype_by_name()
     assert got == want
+    rendered: dict = {}  # kept over the ranks, as a fingerprint keeps it
+    for r, held in overlaid.items():
+        assert held.sorted_text(rendered) == repr(sorted(plain[r].items())).encode()
 
 
 def test_common_itemsize_of_pieces_in_buffers_of_several_names():

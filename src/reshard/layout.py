@@ -28,6 +28,7 @@ Everything here is pure data: no process group, no device.
 
 from __future__ import annotations
 
+import bisect
 from collections import defaultdict
 from functools import cached_property
 from typing import Iterable, Mapping, Sequence
@@ -77,6 +78,37 @@ class RankBuffers(dict):
             out._parts = (base, extra if type(extra) is RankBuffers else cls(extra))
         return out
 
+    def sorted_text(self, rendered: dict) -> bytes:
+        """``repr(sorted(self.items())).encode()``: what a plan's fingerprint hashes of a rank's buffers.
+        ``rendered``: a dict kept over one pass, where each distinct ``(shape, dtype)`` is rendered once and
+        an :meth:`overlay`'s base once for all the ranks sharing it (the dict holds the bases); an overlay's
+        own buffers are placed among its base's.
+
+        >>> base = RankBuffers({"a": ((1,), torch.float32), "c": ((2,), torch.float32)})
+        >>> rank = RankBuffers.overlay(base, {"b": ((3,), torch.bfloat16)})
+        >>> rank.sorted_text({}) == repr(sorted(rank.items())).encode()
+        True
+        """
+        descs = rendered.setdefault("descs", {})
+        if self._parts is None:
+            return ("[" + ", ".join(_item_texts(self, sorted(self), descs)) + "]").encode()
+        base, extra = self._parts
+        hit = rendered.get(id(base))
+        if hit is None:
+            names = sorted(base)
+            hit = rendered[id(base)] = (base, names, _item_texts(base, names, descs))
+        _, names, texts = hit
+        extra_names = sorted(extra)  # names are in one part only: each goes between two of the base's
+        out, start = [], 0
+        for name, text in zip(extra_names, _item_texts(extra, extra_names, descs)):
+            at = bisect.bisect_left(names, name, start)
+            if at > start:
+                out += texts[start:at]
+            out.append(text)
+            start = at
+        out += texts[start:]
+        return ("[" + ", ".join(out) + "]").encode()
+
     def dtype_maps(self) -> list[dict[str, torch.dtype]]:
         """``{name: dtype}`` maps whose union is :attr:`dtypes` (names in one of them only): the parts of an
         :meth:`overlay`, else :attr:`dtypes` alone."""
@@ -96,6 +128,22 @@ class RankBuffers(dict):
         if self._dtypes is None:
             self._dtypes = {b: dt for b, (_, dt) in self.items()}
         return self._dtypes
+
+
+def _item_texts(named: BufferDescs, names: list[str], descs: dict) -> list[str]:
+    """``repr((name, named[name]))`` of each of ``names``, each distinct ``(shape, dtype)`` rendered once (kept in
+    ``descs``)."""
+    out = []
+    for name in names:
+        desc = named[name]
+        try:
+            shown = descs.get(desc)
+        except TypeError:  # a shape given as a list: not a key
+            shown = repr(desc)
+        if shown is None:
+            shown = descs[desc] = repr(desc)
+        out.append("(" + repr(name) + ", " + shown + ")")
+    return out
 
 
 def shared_buffers(named: BufferDescs) -> RankBuffers:

@@ -342,11 +342,12 @@ class Plan:
             digest.update(b"".join(chunks))
         for layout in (self.source, self.destination):
             texts: dict[int, bytes] = {}  # id of a shared mapping -> its text (ranks alike share one)
+            rendered: dict = {}  # the bases of overlaid ranks (staging beside shared buffers), each rendered once
             for rank in layout.ranks:
                 held = layout.buffer_map(rank)
                 text = texts.get(id(held))
                 if text is None:
-                    text = texts[id(held)] = repr(sorted(held.items())).encode()
+                    text = texts[id(held)] = held.sorted_text(rendered)
                 digest.update(text)
         return digest.hexdigest()[:16]
 
