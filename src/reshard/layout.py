@@ -433,9 +433,9 @@ class Layout:
 
     def common_itemsize(self, names: Iterable[str]) -> int | None:
         """Bytes per element of every piece of every tensor in ``names``, where all their buffers have
-        dtypes every rank agrees on, of one size; else None. One pass without a method call per tensor
-        (the planner asks this for every geometry of a model). A tensor's pieces may live in buffers of
-        several names (staging numbered per rank: ``w@raw/0``, ``w@raw/1``).
+        dtypes every rank agrees on, of one size; else None. One look-up by buffer names per tensor, no
+        dtype per piece (the planner asks this for every geometry of a model). A tensor's pieces may live in
+        buffers of several names (staging numbered per rank: ``w@raw/0``, ``w@raw/1``).
 
         >>> import torch, reshard as rs
         >>> lay = rs.Layout.from_placements(rs.TensorSpec("w", (4,), torch.float32), [0, 1], (2,), [rs.Shard(0)])

@@ -352,8 +352,8 @@ def simulate_parser(sub) -> argparse.ArgumentParser:
             "(--precision sets every row's destination precision). Pure computation: no process group, no GPU. "
             "Every case takes one to two and a half minutes on a 2-core machine with the default --jobs "
             "(54-147 s measured on one host, depending on its load; about twice that one row after another), "
-            "the 2.4 T-parameter MoE's three rows and kimi-h100 most of it; each row prints a line as soon as it is done (the small ones within "
-            "seconds), the table follows; --cases picks rows."),
+            "the 2.4 T-parameter MoE's three rows and kimi-h100 most of it; each row prints a line as soon as "
+            "it is done (the small ones within seconds), the table follows; --cases picks rows."),
     )
     parser.add_argument("--cases", default=",".join(c.key for c in CASES),
                    help="comma-separated, from: " + ", ".join(c.key for c in CASES) + " (default: all)")

@@ -125,13 +125,12 @@ class _WireTensors:
         shape, scale = destination.specs[name].shape, info.precision.scale_name(name)
         scale_dtype = info.precision.scale_dtype
         offsets, sizes, zeros, value_descs = self._boxes(geometry, "whole", shape, block, FP8_DTYPE)
-        grid_sizes, grid_zeros, scale_descs = self._grid(geometry, scale_dtype)
+        grid_lo, grid_sizes, grid_zeros, scale_descs = self._grid(geometry, "whole", scale_dtype)
         self.source_specs[name] = _spec(destination.specs[name], shape, FP8_DTYPE)
         self.source_tables[name] = self._wire_table(info.whole_ranks, offsets, sizes, info.whole_names, zeros)
         self.source_specs[scale] = _spec(destination.specs[scale], geometry.grid, scale_dtype)
         scale_names = staging_names(scale + FP8_STAGING, info.whole_ranks, self.shared)  # a rank's k-th: its k-th values'
-        self.source_tables[scale] = self._wire_table(info.whole_ranks, geometry.whole_lo, grid_sizes, scale_names,
-                                                     grid_zeros)
+        self.source_tables[scale] = self._wire_table(info.whole_ranks, grid_lo, grid_sizes, scale_names, grid_zeros)
         for rank, values_buffer, scales_buffer, value_desc, scale_desc in zip(
                 self._rank_list(info.whole_ranks), info.whole_names, scale_names, value_descs, scale_descs):
             self.source_staging[rank][values_buffer] = value_desc
@@ -140,7 +139,7 @@ class _WireTensors:
         self.destination_specs[name] = destination.specs[name]
         self.destination_tables[name] = self._rows_cut_to(destination.tables[name], geometry, offsets, sizes)
         self.destination_specs[scale] = destination.specs[scale]
-        grid_lo, grid_sizes = self._fp8_grid(geometry)
+        grid_lo, grid_sizes, _, _ = self._grid(geometry, "fp8", scale_dtype)
         self.destination_tables[scale] = self._rows_cut_to(destination.tables[scale], geometry, grid_lo, grid_sizes)
 
     def add_raw(self, info: Fp8Tensor, source: Layout) -> None:
@@ -176,14 +175,6 @@ class _WireTensors:
         buffers = Repeated(one, len(rows)) if one is not None else tuple(table.buffers[i] for i in rows.tolist())
         return PieceTable(ranks, offsets, sizes, buffers, buffer_offsets)
 
-    def _fp8_grid(self, geometry: BlockGeometry) -> tuple[np.ndarray, np.ndarray]:
-        """(grid offsets, grid sizes) of a geometry's FP8-path boxes, worked out once (read-only)."""
-        key = ("fp8 grid", id(geometry))
-        hit = self.shared.get(key)
-        if hit is None:
-            hit = self.shared[key] = (geometry, read_only((geometry.fp8_lo, geometry.fp8_hi - geometry.fp8_lo)))
-        return hit[1]
-
     def _wire_table(self, ranks: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, names, buffer_offsets: np.ndarray
                     ) -> PieceTable:
         """A wire table of the arrays tensors alike share (as every table's, treated as read-only), its
@@ -206,17 +197,15 @@ class _WireTensors:
             hit = self.shared[key] = (geometry, offsets, sizes, zeros, [(tuple(s), dtype) for s in sizes.tolist()])
         return hit[1:]
 
-    def _grid(self, geometry: BlockGeometry, dtype: torch.dtype) -> tuple:
-        """(grid sizes, zero buffer offsets, each scale box's staging (shape, dtype)) of a geometry's
-        whole-block boxes, worked out once (read-only)."""
-        key = ("grid", id(geometry), dtype)
+    def _grid(self, geometry: BlockGeometry, path: str, dtype: torch.dtype) -> tuple:
+        """(grid offsets, grid sizes, zero buffer offsets, each scale box's staging (shape, dtype)) of a
+        geometry's ``path`` boxes ("whole", "fp8"), worked out once (read-only)."""
+        key = ("grid", id(geometry), path, dtype)
         hit = self.shared.get(key)
         if hit is None:
-            sizes = geometry.whole_hi - geometry.whole_lo
-            zeros = np.zeros_like(geometry.whole_lo)
-            for a in (sizes, zeros):
-                a.flags.writeable = False
-            hit = self.shared[key] = (geometry, sizes, zeros, [(tuple(s), dtype) for s in sizes.tolist()])
+            lo, hi = getattr(geometry, f"{path}_lo"), getattr(geometry, f"{path}_hi")
+            sizes, zeros = read_only((hi - lo, np.zeros_like(lo)))
+            hit = self.shared[key] = (geometry, lo, sizes, zeros, [(tuple(s), dtype) for s in sizes.tolist()])
         return hit[1:]
 
     def _rank_list(self, ranks: np.ndarray) -> list[int]:
