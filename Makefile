@@ -27,8 +27,12 @@ $(TEST): $(CORE) requirements-test.txt
 demo: $(CORE)
 	$(VENV)/bin/reshard demo
 
+# TEST_WORKERS test files at a time (pytest-xdist; each file's tests on one worker, so module fixtures such as
+# a vLLM engine start once); TEST_WORKERS=0 runs them in this process, one after another
+TEST_WORKERS ?= 2
+
 test: $(TEST)
-	$(PY) -m pytest
+	$(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 bench: $(CORE)
 	$(PY) benchmarks/bench_refit.py
