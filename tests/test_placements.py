@@ -269,8 +269,8 @@ buffer_maps = st.dictionaries(st.sampled_from(NAMES), st.sampled_from(DTYPES), m
 @given(base=st.lists(buffer_maps, min_size=1, max_size=2), extras=st.lists(buffer_maps, min_size=1, max_size=4))
 def test_overlaid_rank_buffers_give_the_dtypes_of_plain_copies(base, extras):
     """Ranks whose buffers are a shared base plus their own staging (:meth:`RankBuffers.overlay`, which keeps
-    the parts where no name is in both) agree on each name's dtype exactly where plain copies do, and render
-    for a plan's fingerprint the text of plain copies."""
+    the parts where no name is in both) agree on each name's dtype exactly where plain copies do, and give a
+    plan's fingerprint the digest of plain copies (in any order); a changed buffer changes it."""
     from reshard.layout import RankBuffers
 
     def descs(named):
@@ -282,9 +282,13 @@ def test_overlaid_rank_buffers_give_the_dtypes_of_plain_copies(base, extras):
     assert {r: dict(b) for r, b in overlaid.items()} == plain
     got, want = rs.Layout({}, {}, overlaid)._dtype_by_name(), rs.Layout({}, {}, plain)._dtype_by_name()
     assert got == want
-    rendered: dict = {}  # kept over the ranks, as a fingerprint keeps it
     for r, held in overlaid.items():
-        assert held.sorted_text(rendered) == repr(sorted(plain[r].items())).encode()
+        digest = held.digest()
+        assert digest == RankBuffers(dict(reversed(plain[r].items()))).digest()
+        if plain[r]:
+            name = next(iter(plain[r]))
+            changed = {**plain[r], name: ((len(name) + 1,), plain[r][name][1])}
+            assert RankBuffers(changed).digest() != digest
 
 
 def test_common_itemsize_of_pieces_in_buffers_of_several_names():

@@ -28,7 +28,7 @@ Everything here is pure data: no process group, no device.
 
 from __future__ import annotations
 
-import bisect
+import hashlib
 from collections import defaultdict
 from functools import cached_property
 from typing import Iterable, Mapping, Sequence
@@ -54,12 +54,13 @@ class RankBuffers(dict):
     {'w': torch.float32}
     """
 
-    __slots__ = ("_dtypes", "_parts")
+    __slots__ = ("_digest", "_dtypes", "_parts")
 
     def __init__(self, *args, **kwargs) -> None:
         dict.__init__(self, *args, **kwargs)
         self._dtypes: dict[str, torch.dtype] | None = None
         self._parts: tuple[RankBuffers, RankBuffers] | None = None
+        self._digest: int | None = None
 
     @classmethod
     def overlay(cls, base: "RankBuffers", extra: BufferDescs) -> "RankBuffers":
@@ -78,36 +79,27 @@ class RankBuffers(dict):
             out._parts = (base, extra if type(extra) is RankBuffers else cls(extra))
         return out
 
-    def sorted_text(self, rendered: dict) -> bytes:
-        """``repr(sorted(self.items())).encode()``: what a plan's fingerprint hashes of a rank's buffers.
-        ``rendered``: a dict kept over one pass, where each distinct ``(shape, dtype)`` is rendered once and
-        an :meth:`overlay`'s base once for all the ranks sharing it (the dict holds the bases); an overlay's
-        own buffers are placed among its base's.
+    def digest(self) -> int:
+        """What a plan's fingerprint hashes of a rank's buffers: the sum, modulo ``2**256``, of a sha256 of
+        each ``(name, (shape, dtype))`` item. A sum depends on the items only, not on their order or on how
+        the mapping was built; so an :meth:`overlay`'s shared base is summed once for every rank sharing it,
+        and its own buffers added. Kept on the mapping (it is read-only): the plans and phases that share
+        it work it out once.
 
         >>> base = RankBuffers({"a": ((1,), torch.float32), "c": ((2,), torch.float32)})
         >>> rank = RankBuffers.overlay(base, {"b": ((3,), torch.bfloat16)})
-        >>> rank.sorted_text({}) == repr(sorted(rank.items())).encode()
+        >>> rank.digest() == RankBuffers(dict(rank)).digest() != base.digest()
         True
         """
-        descs = rendered.setdefault("descs", {})
-        if self._parts is None:
-            return ("[" + ", ".join(_item_texts(self, sorted(self), descs)) + "]").encode()
-        base, extra = self._parts
-        hit = rendered.get(id(base))
-        if hit is None:
-            names = sorted(base)
-            hit = rendered[id(base)] = (base, names, _item_texts(base, names, descs))
-        _, names, texts = hit
-        extra_names = sorted(extra)  # names are in one part only: each goes between two of the base's
-        out, start = [], 0
-        for name, text in zip(extra_names, _item_texts(extra, extra_names, descs)):
-            at = bisect.bisect_left(names, name, start)
-            if at > start:
-                out += texts[start:at]
-            out.append(text)
-            start = at
-        out += texts[start:]
-        return ("[" + ", ".join(out) + "]").encode()
+        if self._digest is None:
+            if self._parts is None:
+                rendered: dict = {}  # each distinct (shape, dtype) rendered once
+                self._digest = sum(int.from_bytes(hashlib.sha256(text).digest(), "little")
+                                   for text in _item_texts(self, rendered)) % _DIGEST_MODULUS
+            else:
+                base, extra = self._parts
+                self._digest = (base.digest() + extra.digest()) % _DIGEST_MODULUS
+        return self._digest
 
     def dtype_maps(self) -> list[dict[str, torch.dtype]]:
         """``{name: dtype}`` maps whose union is :attr:`dtypes` (names in one of them only): the parts of an
@@ -130,19 +122,21 @@ class RankBuffers(dict):
         return self._dtypes
 
 
-def _item_texts(named: BufferDescs, names: list[str], descs: dict) -> list[str]:
-    """``repr((name, named[name]))`` of each of ``names``, each distinct ``(shape, dtype)`` rendered once (kept in
-    ``descs``)."""
+_DIGEST_MODULUS = 1 << 256
+
+
+def _item_texts(named: BufferDescs, rendered: dict) -> list[bytes]:
+    """``repr((name, (shape, dtype))).encode()`` of each item of ``named``, each distinct ``(shape, dtype)``
+    rendered once (kept in ``rendered``)."""
     out = []
-    for name in names:
-        desc = named[name]
+    for name, desc in named.items():
         try:
-            shown = descs.get(desc)
+            shown = rendered.get(desc)
         except TypeError:  # a shape given as a list: not a key
             shown = repr(desc)
         if shown is None:
-            shown = descs[desc] = repr(desc)
-        out.append("(" + repr(name) + ", " + shown + ")")
+            shown = rendered[desc] = repr(desc)
+        out.append(f"({name!r}, {shown})".encode())
     return out
 
 

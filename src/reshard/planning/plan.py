@@ -48,7 +48,8 @@ from .rank_plan import RankPlan, RankPlanBuilder
 from .schedule import ALIGN, ROUNDS_IN_FLIGHT, Copy, check_max_bucket_bytes, pair_quotas, round_cap
 from .sources import choose_sources
 
-PLAN_FORMAT = 3  # 2: staging quotas in proportion to each stream's bytes; 3: arrays hashed by digest
+PLAN_FORMAT = 4  # 2: staging quotas in proportion to each stream's bytes; 3: arrays hashed by digest;
+# 4: each rank's buffers as a sum of a digest per buffer (RankBuffers.digest)
 
 
 def check_pair(source: Layout, destination: Layout) -> None:
@@ -340,15 +341,10 @@ class Plan:
                     chunks.append(_buffer_names(table.buffers))
                     chunks.append(digests.of(table.buffer_offsets))
             digest.update(b"".join(chunks))
-        for layout in (self.source, self.destination):
-            texts: dict[int, bytes] = {}  # id of a shared mapping -> its text (ranks alike share one)
-            rendered: dict = {}  # the bases of overlaid ranks (staging beside shared buffers), each rendered once
-            for rank in layout.ranks:
-                held = layout.buffer_map(rank)
-                text = texts.get(id(held))
-                if text is None:
-                    text = texts[id(held)] = held.sorted_text(rendered)
-                digest.update(text)
+        for layout in (self.source, self.destination):  # each rank's buffers: a digest kept on the shared mapping
+            ranks = layout.ranks
+            digest.update(b"ranks" + np.array(ranks, np.int64).tobytes())
+            digest.update(b"".join(layout.buffer_map(rank).digest().to_bytes(32, "little") for rank in ranks))
         return digest.hexdigest()[:16]
 
     # ------------------------------------------------------------------ one rank
