@@ -32,7 +32,7 @@ demo: $(CORE)
 TEST_WORKERS ?= 2
 
 test: $(TEST)
-	$(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+	$(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 bench: $(CORE)
 	$(PY) benchmarks/bench_refit.py
