@@ -280,6 +280,20 @@ def test_fingerprint_changes_with_options_and_layouts(case):
     assert rs.plan(case.source, renamed).fingerprint() != fp
 
 
+def test_fingerprint_covers_every_rank_buffers():
+    """Refits alike but for one destination buffer, padded past its piece, or one buffer more on a rank: the
+    pieces and copies are the same, yet ranks that disagree on their buffers must not agree on the plan."""
+    w = rs.TensorSpec("w", (4, 6), torch.float32)
+    src = rs.Layout.from_placements(w, [0, 1], (2,), [rs.Shard(0)])
+    pieces = list(rs.Layout.from_placements(w, [2, 3], (2,), [rs.Shard(1)]).all_pieces())
+    held = {2: {"w": ((4, 3), torch.float32)}, 3: {"w": ((4, 3), torch.float32)}}
+    padded = {**held, 3: {"w": ((4, 4), torch.float32)}}
+    more = {**held, 3: {**held[3], "spare": ((2,), torch.float32)}}
+    plans = [rs.plan(src, rs.Layout.from_pieces([w], pieces, buffers)) for buffers in (held, padded, more)]
+    assert [p.wire_bytes for p in plans] == [plans[0].wire_bytes] * 3
+    assert len({p.fingerprint() for p in plans}) == 3
+
+
 _FINGERPRINT_SCRIPT = textwrap.dedent("""
     import torch, reshard as rs
     w = rs.TensorSpec("w", (10, 6), torch.float32)
