@@ -127,8 +127,9 @@ class Group:
 
     @classmethod
     def _make(cls, store: dist.Store, rank: int, size: int, backend: str, timeout: timedelta) -> "Group":
-        if backend == "gloo":
-            pg = dist.ProcessGroupGloo(store, rank, size, timeout)
+        if backend == "gloo":  # its setup connects every pair now, after every rank checked in: a loaded host
+            pg = dist.ProcessGroupGloo(store, rank, size, max(timeout, STORE_TIMEOUT))  # gets the store's floor,
+            pg.set_timeout(timeout)  # and its operations the group's timeout
         elif backend == "nccl":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
