@@ -117,6 +117,48 @@ def _placement(h, domains, topo):
 
 @PROPS
 @given(pipelined_cases())
+def test_the_pieces_counted_per_chunk_are_the_copies_the_steps_cut(pc):
+    """chunk_pair_bytes(pieces=True) counts, per chunk and pair, the copies a stream's chunk holds once
+    the bands cut it (each staged aligned: the padding step_rounds counts for a capped plan)."""
+    _, _, _, h = pc
+    for p, phase in enumerate(h.phases):
+        want = chunk_pair_bytes(phase, h.chunk_of, h.chunks, pieces=True)
+        got = [dict() for _ in range(h.chunks)]
+        for r in _ranks(h):
+            for m in phase._rank_plans.build(r, dict).sends:
+                for c in m.copies:
+                    for k, _ in h.split_by_chunk(c):
+                        got[k][(r, m.peer)] = got[k].get((r, m.peer), 0) + 1
+        assert [dict(w) for w in want] == got, p
+
+
+def test_a_sub_round_of_tiny_copies_stays_within_the_cap():
+    """Found by the property test above under load: a forward phase of 4-byte copies (a box cut across
+    eight replicas), each staged aligned to 16 bytes, is four times its payload; the step's sub-rounds
+    count that padding, as the sequential quotas do, so a sub-round stays within the cap."""
+    spec = rs.TensorSpec("t0", (3, 7, 9), torch.float32)
+    view = S.View
+    src = (view((0,), (1,), (rs.Replicate(),), "chunk", "t0.s0", torch.float32),
+           view(tuple(range(8)), (4, 1, 2), (rs.Replicate(),) * 3, "chunk", "t0.s1", torch.float32))
+    dst = (view((0, 1), (1, 2), (rs.Replicate(),) * 2, "chunk", "t0.d0", torch.float32),
+           view(tuple(range(8)), (1, 2, 4), (rs.Replicate(), rs.Shard(0), rs.Shard(1)), "chunk", "t0.d1",
+                torch.float32))
+    source, destination = S.build(S.Recipe((S.PlainTensor(spec, src, dst),)))
+    h = hierarchical_plan(source, destination, dict.fromkeys(range(8), 0), split_bytes=1,
+                          max_bucket_bytes=4096).pipelined(1)
+    staged_most = 0
+    for r in _ranks(h):
+        for step in h.steps_for_rank(r):
+            streams = sum(len({m.peer for m in sp.part.sends}) + len({m.peer for m in sp.part.recvs}) for sp in step)
+            for j in range(max(sp.part.num_rounds for sp in step)):
+                staged = sum(m.nbytes for sp in step for msgs in sp.part.round(j) for m in msgs)
+                assert staged <= round_cap(4096) + 2 * ALIGN * streams, (r, j, staged)
+                staged_most = max(staged_most, staged)
+    assert staged_most > sum(h.forward.pair_bytes.values())  # the padding is real: more than the payload
+
+
+@PROPS
+@given(pipelined_cases())
 def test_the_model_counts_the_bytes_the_steps_move(pc):
     case, domains, seq, h = pc
     ranks = _ranks(h)

@@ -183,21 +183,29 @@ class HierarchicalPlan:
     def _chunk_pairs(self) -> list[list[PairArrays]]:
         return [chunk_pair_bytes(phase, self.chunk_of, self.chunks) for phase in self.phases]
 
+    @cached_property
+    def _chunk_pieces(self) -> list[list[PairArrays]]:
+        return [chunk_pair_bytes(phase, self.chunk_of, self.chunks, pieces=True) for phase in self.phases]
+
     def step_rounds(self, cap: int | None = None) -> list[int]:
         """Sub-rounds of each step: the most any rank needs to stage its streams of every phase in the
         step together within the round cap ``B`` (of the plan's ``max_bucket_bytes``, or of ``cap``
         for an uncapped plan; 1 without either): the phases of a step share ``B``. Every
         stream of the step is cut into about this many equal messages, so the phases of a step (a
         network chunk on NICs, an NVLink chunk) keep their links busy in the same sub-rounds, and a
-        rank stages at most ``B`` per sub-round (plus ``ALIGN`` per stream). A plan-wide figure from
-        the plan's arrays, the same on every rank, as the quotas are."""
-        cap = self.max_bucket_bytes if self.max_bucket_bytes is not None else cap
+        rank stages at most ``B`` per sub-round (plus ``ALIGN`` per stream). A capped plan counts
+        each piece's padding to ``ALIGN`` (up to ``ALIGN - 1`` bytes a piece: it matters where copies
+        are tiny) as its sequential quotas do; an uncapped plan modeled at ``cap`` leaves it out, as
+        the sequential model does. A plan-wide figure from the plan's arrays, the same on every rank,
+        as the quotas are."""
+        capped = self.max_bucket_bytes is not None
+        cap = self.max_bucket_bytes if capped else cap
         members_of = self.step_pair_bytes()
         if cap is None:
             return [1] * len(members_of)
         room_of_cap = round_cap(cap)
         out = []
-        for members in members_of:
+        for s, members in enumerate(members_of):
             arrays = [pairs for _, pairs in members]
             width = max((int(max(a.src.max(), a.dst.max())) + 1 for a in arrays if len(a)), default=0)
             load = np.zeros(width, np.int64)  # what each rank stages over the step, every phase in it together
@@ -205,6 +213,9 @@ class HierarchicalPlan:
             for a in arrays:
                 load += a.rank_totals(width)
                 count += a.rank_totals(width, np.ones(len(a)))
+            if capped:  # each piece is staged aligned: up to ALIGN - 1 bytes more each
+                for p, _ in members:
+                    load += (ALIGN - 1) * self._chunk_pieces[p][s - p].rank_totals(width)
             room = np.maximum(room_of_cap - 2 * ALIGN * count, ALIGN)
             out.append(max(1, int((-(-load // room)).max(initial=0))))
         return out
@@ -311,6 +322,20 @@ class Bands(NamedTuple):
         hi = np.minimum(lo + size, rows)
         return (below(hi) - below(lo)) / np.maximum(size, 1)[None, :]
 
+    def chunk_pieces(self, rows: int, chunks: int, lo: np.ndarray, size: np.ndarray) -> np.ndarray:
+        """``[chunk, item]``: into how many pieces the bands cut each item's rows ``[lo, lo + size)`` in
+        each chunk for rotation 0 (the copies :meth:`HierarchicalPlan.split_by_chunk` makes of it).
+
+        >>> Bands(0, 4).chunk_pieces(8, 2, np.array([0, 2]), np.array([8, 2])).tolist()
+        [[2, 0], [2, 1]]
+        """
+        edges = np.array([rows * j // self.count for j in range(self.count + 1)], np.int64)
+        hi = np.minimum(lo + size, rows)
+        first = np.clip(np.searchsorted(edges, lo, side="right") - 1, 0, self.count - 1)  # band of the first row
+        last = np.clip(np.searchsorted(edges, hi - 1, side="right") - 1, 0, self.count - 1)  # of the last
+        c = np.arange(chunks)[:, None]  # bands j in [first, last] with j % chunks == c
+        return np.where(hi > lo, (last - c) // chunks - (first - 1 - c) // chunks, 0)
+
 
 def row_splits(layouts) -> dict[str, int]:
     """How finely ``layouts`` cut each tensor's first dim: its rows over the shortest piece's rows, the
@@ -378,9 +403,12 @@ def tensor_chunks(destination: Layout, chunks: int, layouts=()) -> dict[str, Ban
     return out
 
 
-def chunk_pair_bytes(phase: Plan, chunk_of: Mapping[str, Bands], chunks: int) -> list[PairArrays]:
+def chunk_pair_bytes(phase: Plan, chunk_of: Mapping[str, Bands], chunks: int, *, pieces: bool = False
+                     ) -> list[PairArrays]:
     """Per chunk, ``{(src, dst): bytes}`` of the phase's copies between distinct ranks, each copy's
     rows counted in the chunk of their band (:func:`tensor_chunks`); sums to ``phase.pair_bytes``.
+    ``pieces``: instead of bytes, how many pieces the bands cut the copies into in each chunk (each
+    staged aligned to ``ALIGN``: what a stream's padding can add).
 
     Groups sharing their intersection (:func:`~reshard.planning.geometry_groups.items_key`: the
     experts of every stage), row count and band count are summed together, as arrays stacked
@@ -406,8 +434,9 @@ def chunk_pair_bytes(phase: Plan, chunk_of: Mapping[str, Bands], chunks: int) ->
     weights: list[np.ndarray] = []
     for (_, rows, count), members in families.items():  # every group stays alive while this runs: ids are unique
         items = members[0][0].items
-        frac = Bands(0, count).chunk_shares(rows, chunks, items.offsets[:, 0], items.sizes[:, 0])
-        _family_codes(members, frac, rotation, chunks, width, codes, weights)
+        share = Bands(0, count).chunk_pieces if pieces else Bands(0, count).chunk_shares
+        frac = share(rows, chunks, items.offsets[:, 0], items.sizes[:, 0])
+        _family_codes(members, frac, rotation, chunks, width, codes, weights, pieces)
     keys = out_src = out_dst = out_bytes = np.zeros(0, np.int64)
     if codes:
         code, weight = np.concatenate(codes), np.concatenate(weights)
@@ -426,10 +455,11 @@ def chunk_pair_bytes(phase: Plan, chunk_of: Mapping[str, Bands], chunks: int) ->
 
 
 def _family_codes(members: list, frac: np.ndarray, rotation: np.ndarray, chunks: int, width: int,
-                  codes: list, weights: list) -> None:
+                  codes: list, weights: list, unit: bool = False) -> None:
     """Append the (chunk, pair) codes and byte weights of the remote items of ``members`` (groups
     sharing one intersection, each with the positions of its tensors taken, None: all;
-    ``frac[chunk, item]``: an item's share of each chunk at rotation 0)."""
+    ``frac[chunk, item]``: an item's share of each chunk at rotation 0; ``unit``: weigh each
+    instance's item 1, not its bytes)."""
     from .intersect import REMOTE
     w2 = width * width
     groups = [group for group, _ in members]
@@ -439,7 +469,9 @@ def _family_codes(members: list, frac: np.ndarray, rotation: np.ndarray, chunks:
     rot = np.concatenate([rotation[g.tensor_index if pick is None else g.tensor_index[pick]] for g, pick in members])
     one_row = all(g.nbytes.shape[0] == 1 or g.nbytes.strides[0] == 0 for g in groups)
 
-    def instance_bytes(cols):  # [instance, col]: bytes of each instance's items ``cols``
+    def instance_bytes(cols):  # [instance, col]: bytes of each instance's items ``cols`` (unit: 1)
+        if unit:
+            return np.ones((len(member_of), len(cols)))
         if one_row:
             return np.stack([g.nbytes[0, cols] for g in groups])[member_of]
         return np.concatenate([np.broadcast_to(g.nbytes, (len(g.tensors), g.nbytes.shape[1]))[
