@@ -123,6 +123,9 @@ class Group:
                                         f"{str(e).splitlines()[0][:200]}") from None
         group.control.addresses = _probed_addresses(addresses, rank)
         group.store_host = store_host
+        # every rank's transport is up before any goes on: a rank that closes its group at once (it has
+        # nothing to send) would otherwise cut a peer still finishing its handshake ("closed by peer")
+        group.control.gather("connected", None, max(timeout, STORE_TIMEOUT))
         return group
 
     @classmethod
