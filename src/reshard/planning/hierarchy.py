@@ -207,15 +207,15 @@ class HierarchicalPlan:
         out = []
         for s, members in enumerate(members_of):
             arrays = [pairs for _, pairs in members]
-            width = max((int(max(a.src.max(), a.dst.max())) + 1 for a in arrays if len(a)), default=0)
+            pieces = [self._chunk_pieces[p][s - p] for p, _ in members] if capped else []
+            width = max((int(max(a.src.max(), a.dst.max())) + 1 for a in arrays + pieces if len(a)), default=0)
             load = np.zeros(width, np.int64)  # what each rank stages over the step, every phase in it together
             count = np.zeros(width, np.int64)
             for a in arrays:
                 load += a.rank_totals(width)
                 count += a.rank_totals(width, np.ones(len(a)))
-            if capped:  # each piece is staged aligned: up to ALIGN - 1 bytes more each
-                for p, _ in members:
-                    load += (ALIGN - 1) * self._chunk_pieces[p][s - p].rank_totals(width)
+            for a in pieces:  # a capped plan: each piece is staged aligned, up to ALIGN - 1 bytes more each
+                load += (ALIGN - 1) * a.rank_totals(width)
             room = np.maximum(room_of_cap - 2 * ALIGN * count, ALIGN)
             out.append(max(1, int((-(-load // room)).max(initial=0))))
         return out
