@@ -61,7 +61,8 @@ def test_injected_faults_reach_every_rank_and_the_survivors_refit_again():
             assert not o.hung, f"{where}: ranks {o.hung} never reported (a hang)"
             assert o.silent == 0, f"{where}: a committed destination holds wrong bytes"
             assert o.torn == 0, f"{where}: a destination reported ready holds a mix of versions"
-            assert o.result in expected, f"{where}: came to {o.result!r}, expected one of {expected}"
+            errors = [e[1:4] for rep in o.reports for e in rep["events"] if "failed" in e[0] or e[0] == "error"]
+            assert o.result in expected, f"{where}: came to {o.result!r}, expected one of {expected}; {errors}"
             # a stall is heard when a wait runs out (a few T); any other fault at once: a kill breaks the
             # transfers with the dead rank, and a wait that misses a rank probes it (its process gone:
             # named now, after a grace of T / 4 at most), and no rank waits for a dead one's notes
