@@ -138,9 +138,10 @@ def test_the_pieces_counted_per_chunk_are_the_copies_the_steps_cut(pc):
 
 
 def test_a_sub_round_of_tiny_copies_stays_within_the_cap():
-    """Found by the property test above under load: a forward phase of 4-byte copies (a box cut across
-    eight replicas), each staged aligned to 16 bytes, is four times its payload; the step's sub-rounds
-    count that padding, as the sequential quotas do, so a sub-round stays within the cap."""
+    """Found by test_both_ends_agree_and_a_sub_round_stays_within_the_cap under load: a forward phase
+    of 4-byte copies (a box cut across eight replicas), each staged aligned to 16 bytes, is four times
+    its payload; the step's sub-rounds count that padding, as the sequential quotas do, so a sub-round
+    stays within the cap."""
     spec = rs.TensorSpec("t0", (3, 7, 9), torch.float32)
     view = S.View
     src = (view((0,), (1,), (rs.Replicate(),), "chunk", "t0.s0", torch.float32),

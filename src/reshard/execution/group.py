@@ -130,9 +130,11 @@ class Group:
 
     @classmethod
     def _make(cls, store: dist.Store, rank: int, size: int, backend: str, timeout: timedelta) -> "Group":
-        if backend == "gloo":  # its setup connects every pair now, after every rank checked in: a loaded host
-            pg = dist.ProcessGroupGloo(store, rank, size, max(timeout, STORE_TIMEOUT))  # gets the store's floor,
-            pg.set_timeout(timeout)  # and its operations the group's timeout
+        if backend == "gloo":
+            # its setup connects every pair now, after every rank checked in: on a loaded host it gets the
+            # store's floor, and its operations then the group's timeout
+            pg = dist.ProcessGroupGloo(store, rank, size, max(timeout, STORE_TIMEOUT))
+            pg.set_timeout(timeout)
         elif backend == "nccl":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout

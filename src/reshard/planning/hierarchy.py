@@ -434,7 +434,8 @@ def chunk_pair_bytes(phase: Plan, chunk_of: Mapping[str, Bands], chunks: int, *,
     weights: list[np.ndarray] = []
     for (_, rows, count), members in families.items():  # every group stays alive while this runs: ids are unique
         items = members[0][0].items
-        share = Bands(0, count).chunk_pieces if pieces else Bands(0, count).chunk_shares
+        bands = Bands(0, count)
+        share = bands.chunk_pieces if pieces else bands.chunk_shares
         frac = share(rows, chunks, items.offsets[:, 0], items.sizes[:, 0])
         _family_codes(members, frac, rotation, chunks, width, codes, weights, pieces)
     keys = out_src = out_dst = out_bytes = np.zeros(0, np.int64)
