@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 import reshard as rs
 from reshard import Piece
+from reshard.layout_checks import _passes_at_once, check_each, check_layout
+from reshard.piece_table import PieceTable
 from reshard.tensors import box_str
+from strategies import layout_pairs
 
 W = rs.TensorSpec("w", (10, 6), torch.float32)
 
@@ -332,3 +338,73 @@ def test_overlap_found_between_pieces_that_are_not_neighbours_in_a_3d_buffer():
         rs.Layout.from_pieces(specs, later, {0: {"w13": ((1, 8, 4), torch.float32)}})
     disjoint = [rs.Piece(f"e{i}", (0, 0), (2, 4), "w13", (0, 2 * i + (2 if i == 2 else 0), 0), 0) for i in range(3)]
     rs.Layout.from_pieces(specs, disjoint, {0: {"w13": ((1, 8, 4), torch.float32)}})
+
+
+FAULTS = ("none", "buffer offset", "rank", "buffer shape", "buffer dropped", "buffer dtype", "buffer dims",
+          "piece twice", "spec dropped")
+
+
+def _with_row(table, row: int, **changes):
+    """``table`` with piece ``row`` changed (ranks, buffer_offsets: (dim, delta)) or appended twice."""
+    ranks, boffs = table.ranks.copy(), table.buffer_offsets.copy()
+    if "rank" in changes:
+        ranks[row] = changes["rank"]
+    if "shift" in changes:
+        dim, delta = changes["shift"]
+        boffs[row, dim] += delta
+    if changes.get("twice"):
+        idx = np.concatenate([np.arange(len(table)), [row]])
+        return PieceTable(table.ranks[idx], table.offsets[idx], table.sizes[idx],
+                          tuple(table.buffers) + (table.buffers[row],), table.buffer_offsets[idx])
+    return PieceTable(ranks, table.offsets, table.sizes, table.buffers, boffs)
+
+
+@settings(max_examples=200, deadline=None)
+@given(case=layout_pairs(), side=st.sampled_from(("source", "destination")), fault=st.sampled_from(FAULTS),
+       data=st.data())
+def test_validation_at_once_finds_every_fault_the_tensor_by_tensor_check_names(case, side, fault, data):
+    """``check_layout`` looks at all pieces at once and, where anything may be wrong, tensor by tensor: on
+    random layouts with one random fault each it raises what the tensor-by-tensor check raises (the
+    same first fault, the same words), and a layout with no fault passes without the second look."""
+    layout = case.source if side == "source" else case.destination
+    specs, tables = dict(layout.specs), dict(layout.tables)
+    buffers = {r: dict(layout.buffers(r)) for r in layout.ranks}
+    held = [name for name, t in tables.items() if len(t)]
+    assume(held)
+    name = data.draw(st.sampled_from(held))
+    table = tables[name]
+    row = data.draw(st.integers(0, len(table) - 1))
+    rank, buffer = int(table.ranks[row]), table.buffers[row]
+    shape, dtype = buffers[rank][buffer]
+    if fault == "buffer offset":
+        tables[name] = _with_row(table, row, shift=(data.draw(st.integers(0, table.buffer_offsets.shape[1] - 1)),
+                                                    data.draw(st.integers(-3, 3))))
+    elif fault == "rank":
+        tables[name] = _with_row(table, row, rank=data.draw(st.integers(-1, max(buffers) + 1)))
+    elif fault == "piece twice":
+        tables[name] = _with_row(table, row, twice=True)
+    elif fault == "buffer shape" and shape:
+        dim = data.draw(st.integers(0, len(shape) - 1))
+        bent = list(shape)
+        bent[dim] = max(bent[dim] + data.draw(st.integers(-3, 3)), 0)
+        buffers[rank][buffer] = (tuple(bent), dtype)
+    elif fault == "buffer dropped":
+        del buffers[rank][buffer]
+    elif fault == "buffer dtype":
+        buffers[rank][buffer] = (shape, data.draw(st.sampled_from((torch.int32, torch.bool, torch.bfloat16))))
+    elif fault == "buffer dims":
+        buffers[rank][buffer] = ((1,) + tuple(shape) if data.draw(st.booleans()) or not shape else shape[1:], dtype)
+    elif fault == "spec dropped":
+        del specs[name]
+
+    def outcome(check) -> str | None:
+        try:
+            check(specs, tables, buffers)
+        except rs.LayoutError as e:
+            return str(e)
+        return None
+
+    expected = outcome(check_each)
+    assert outcome(check_layout) == expected
+    if fault == "none":
+        assert expected is None and _passes_at_once(specs, tables, buffers)

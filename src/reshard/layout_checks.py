@@ -147,15 +147,9 @@ def _check_buffers_of(name: str, spec: TensorSpec, table: Pieces, table_index: i
                       looked_up: dict, extents: _Extents) -> None:
     """Each of ``name``'s buffers declared on its ranks, of the tensor's dtype class, with the pieces'
     number of dims, and holding its pieces; the pieces' extents go to ``extents``."""
-    count, ndim = table.sizes.shape
-    buffer_ndim = table.buffer_offsets.shape[1]
+    count, buffer_ndim = len(table), table.buffer_offsets.shape[1]
     lo = table.buffer_offsets
-    hi_key = ("hi", id(lo), id(table.sizes))  # tables alike share these arrays: their ends worked out once
-    hit = looked_up.get(hi_key)
-    if hit is None:
-        hi = lo + np.concatenate([np.ones((count, buffer_ndim - ndim), np.int64), table.sizes], axis=1)
-        hit = looked_up[hi_key] = (lo, table.sizes, hi)
-    hi = hit[2]
+    hi = _buffer_ends(table, looked_up)  # tables alike share these arrays: their ends worked out once
     one = table.one_buffer()
     names = [one] if one is not None else list(dict.fromkeys(table.buffers))
     for buffer in names:
@@ -192,11 +186,21 @@ def _check_buffers_of(name: str, spec: TensorSpec, table: Pieces, table_index: i
 
 def check_layout(specs: Mapping[str, TensorSpec], tables: Mapping[str, Pieces], buffers: BufferDescs) -> None:
     """Raise :class:`LayoutError` for a negative rank, a box outside its tensor, a piece outside its
-    buffer, two pieces overlapping in one buffer, or a piece whose buffer has the wrong dtype class."""
+    buffer, two pieces overlapping in one buffer, or a piece whose buffer has the wrong dtype class.
+
+    A layout that passes is seen in a few numpy passes over all its pieces (:func:`_passes_at_once`);
+    one that may not is looked at again tensor by tensor, which names the first fault in table order."""
     negative = [rank for rank in buffers if rank < 0]
     if negative:
         raise LayoutError(f"rank {negative[0]}: ranks must be >= 0 (it declares buffers "
                           f"{', '.join(map(repr, buffers[negative[0]]))})")
+    if not _passes_at_once(specs, tables, buffers):
+        check_each(specs, tables, buffers)
+
+
+def check_each(specs: Mapping[str, TensorSpec], tables: Mapping[str, Pieces], buffers: BufferDescs) -> None:
+    """:func:`check_layout` tensor by tensor (the first fault in table order, named), without the look at
+    all pieces at once (or the check of the buffers' ranks)."""
     looked_up: dict[tuple[str, bytes], tuple] = {}
     extents = _Extents()
     for table_index, (name, table) in enumerate(tables.items()):
@@ -209,6 +213,103 @@ def check_layout(specs: Mapping[str, TensorSpec], tables: Mapping[str, Pieces], 
         _check_buffers_of(name, spec, table, table_index, buffers, looked_up, extents)
     if extents.by_width:
         _check_overlaps(tables, extents.by_width)
+
+
+def _buffer_ends(table: Pieces, cache: dict) -> np.ndarray:
+    """Where each piece ends in its buffer (exclusive; leading buffer dims one element), worked out once
+    per arrays that tables alike share (``cache`` holds them)."""
+    lo = table.buffer_offsets
+    key = ("hi", id(lo), id(table.sizes))
+    hit = cache.get(key)
+    if hit is None:
+        count, ndim = table.sizes.shape
+        hi = lo + np.concatenate([np.ones((count, lo.shape[1] - ndim), np.int64), table.sizes], axis=1)
+        hit = cache[key] = (lo, table.sizes, hi)
+    return hit[2]
+
+
+class _Columns:
+    """Every piece of one buffer-offset width, table after table: ranks, buffer codes, dtype-class codes,
+    buffer extents (lists of arrays, joined once)."""
+
+    def __init__(self) -> None:
+        self.ranks, self.lo, self.hi = [], [], []
+        self.tables, self.counts, self.codes, self.classes = [], [], [], []  # per table (code -1: several)
+        self.several: list[tuple[int, np.ndarray]] = []  # (first row, buffer code of each piece)
+        self.rows = 0
+
+
+def _passes_at_once(specs: Mapping[str, TensorSpec], tables: Mapping[str, Pieces], buffers: BufferDescs) -> bool:
+    """Whether :func:`check_layout` finds nothing, seen over all pieces at once: each (rank, buffer) of
+    any piece looked up once, the pieces' buffer dims, dtype classes and extents compared as arrays,
+    overlaps found as :func:`_check_overlaps` finds them. False where anything may be wrong (the caller
+    then names it), never where something is."""
+    passed: dict = {}
+    codes: dict[str, int] = {}
+    classes: dict[str, int] = {}
+    columns: dict[int, _Columns] = defaultdict(_Columns)
+    for table_index, (name, table) in enumerate(tables.items()):
+        spec = specs.get(name)
+        if spec is None:
+            return False
+        if not len(table):
+            continue
+        try:
+            _check_boxes(name, spec, table, passed)
+        except LayoutError:
+            return False
+        lo = table.buffer_offsets
+        col = columns[lo.shape[1]]
+        one = table.one_buffer()
+        if one is not None:
+            col.codes.append(codes.setdefault(one, len(codes)))
+        else:
+            col.codes.append(-1)
+            col.several.append((col.rows, np.array([codes.setdefault(b, len(codes)) for b in table.buffers],
+                                                   np.int64)))
+        col.ranks.append(table.ranks)
+        col.lo.append(lo)
+        col.hi.append(_buffer_ends(table, passed))
+        col.tables.append(table_index)
+        col.counts.append(len(table))
+        col.classes.append(classes.setdefault(dtype_class(spec.dtype), len(classes)))
+        col.rows += len(table)
+    if len(codes) >= 1 << 24:
+        return False
+    names = list(codes)
+    by_width: dict[int, tuple[list, list, list, list, list]] = {}
+    for width, col in columns.items():
+        counts = np.array(col.counts, np.int64)
+        buffer_code = np.repeat(np.array(col.codes, np.int64), counts)
+        for start, per_piece in col.several:
+            buffer_code[start:start + len(per_piece)] = per_piece
+        ranks = np.concatenate(col.ranks)
+        keys = ranks * (1 << 24) + buffer_code
+        pairs, inv = np.unique(keys, return_inverse=True)
+        pair_ndim = np.zeros(len(pairs), np.int64)
+        pair_class = np.zeros(len(pairs), np.int64)
+        pair_shape = np.zeros((len(pairs), width), np.int64)
+        for i, key in enumerate(pairs.tolist()):
+            desc = buffers.get(key >> 24, {}).get(names[key & ((1 << 24) - 1)])
+            if desc is None:
+                return False
+            shape, dtype = desc
+            pair_ndim[i] = len(shape)
+            pair_class[i] = classes.get(dtype_class(dtype), -1)
+            if len(shape) == width:
+                pair_shape[i] = shape
+        inv = inv.reshape(-1)
+        lo, hi = np.concatenate(col.lo), np.concatenate(col.hi)
+        if ((pair_ndim[inv] != width).any() or (pair_class[inv] != np.repeat(np.array(col.classes), counts)).any()
+                or (lo < 0).any() or (hi > pair_shape[inv]).any()):
+            return False
+        live = (hi > lo).all(axis=1)  # every size > 0 (the leading buffer dims: one element)
+        starts = np.cumsum(counts) - counts
+        row_in_table = np.arange(col.rows) - np.repeat(starts, counts)
+        live_counts = np.add.reduceat(live.astype(np.int64), starts) if len(starts) else counts
+        by_width[width] = ([keys[live]], [lo[live]], [hi[live]], list(zip(col.tables, live_counts.tolist())),
+                           [row_in_table[live]])
+    return not by_width or _first_overlap(*_sorted_extents(by_width)[:3]) is None
 
 
 def _sorted_extents(by_width: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -230,9 +331,8 @@ def _sorted_extents(by_width: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray,
     return keys[order], lo[order], hi[order], refs[order]
 
 
-def _check_overlaps(tables: Mapping[str, Pieces], by_width: dict) -> None:
-    """LayoutError naming the first two pieces that overlap in one buffer of one rank."""
-    keys, lo, hi, refs = _sorted_extents(by_width)
+def _first_overlap(keys: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> tuple[int, int] | None:
+    """The first two of these sorted extents (:func:`_sorted_extents`) that overlap in one buffer, or None."""
     group = np.concatenate([[0], np.cumsum(keys[1:] != keys[:-1])]) << 40
     # pieces after i in its buffer whose first-dim start lies before i's first-dim end
     reach = np.searchsorted(group + lo[:, 0], group + hi[:, 0], "left") - np.arange(len(keys)) - 1
@@ -241,7 +341,16 @@ def _check_overlaps(tables: Mapping[str, Pieces], by_width: dict) -> None:
         second = first + step
         hit = first[((lo[first] < hi[second]) & (lo[second] < hi[first])).all(axis=1)]
         if len(hit):
-            _raise_overlap(tables, refs[int(hit[0])].tolist(), refs[int(hit[0]) + step].tolist())
+            return int(hit[0]), int(hit[0]) + step
+    return None
+
+
+def _check_overlaps(tables: Mapping[str, Pieces], by_width: dict) -> None:
+    """LayoutError naming the first two pieces that overlap in one buffer of one rank."""
+    keys, lo, hi, refs = _sorted_extents(by_width)
+    found = _first_overlap(keys, lo, hi)
+    if found is not None:
+        _raise_overlap(tables, refs[found[0]].tolist(), refs[found[1]].tolist())
 
 
 def _raise_overlap(tables: Mapping[str, Pieces], first: list[int], second: list[int]) -> None:
