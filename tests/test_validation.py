@@ -340,23 +340,26 @@ def test_overlap_found_between_pieces_that_are_not_neighbours_in_a_3d_buffer():
     rs.Layout.from_pieces(specs, disjoint, {0: {"w13": ((1, 8, 4), torch.float32)}})
 
 
-FAULTS = ("none", "buffer offset", "rank", "buffer shape", "buffer dropped", "buffer dtype", "buffer dims",
+FAULTS = ("none", "box offset", "buffer offset", "rank", "buffer shape", "buffer dropped", "buffer dtype", "buffer dims",
           "piece twice", "spec dropped")
 
 
 def _with_row(table, row: int, **changes):
-    """``table`` with piece ``row`` changed (ranks, buffer_offsets: (dim, delta)) or appended twice."""
-    ranks, boffs = table.ranks.copy(), table.buffer_offsets.copy()
+    """``table`` with piece ``row`` changed (rank, box or buffer offsets moved: (dim, delta)) or appended twice."""
+    ranks, offsets, boffs = table.ranks.copy(), table.offsets.copy(), table.buffer_offsets.copy()
     if "rank" in changes:
         ranks[row] = changes["rank"]
     if "shift" in changes:
         dim, delta = changes["shift"]
         boffs[row, dim] += delta
+    if "move" in changes:
+        dim, delta = changes["move"]
+        offsets[row, dim] += delta
     if changes.get("twice"):
         idx = np.concatenate([np.arange(len(table)), [row]])
         return PieceTable(table.ranks[idx], table.offsets[idx], table.sizes[idx],
                           tuple(table.buffers) + (table.buffers[row],), table.buffer_offsets[idx])
-    return PieceTable(ranks, table.offsets, table.sizes, table.buffers, boffs)
+    return PieceTable(ranks, offsets, table.sizes, table.buffers, boffs)
 
 
 @settings(max_examples=200, deadline=None)
@@ -379,6 +382,9 @@ def test_validation_at_once_finds_every_fault_the_tensor_by_tensor_check_names(c
     if fault == "buffer offset":
         tables[name] = _with_row(table, row, shift=(data.draw(st.integers(0, table.buffer_offsets.shape[1] - 1)),
                                                     data.draw(st.integers(-3, 3))))
+    elif fault == "box offset" and table.offsets.shape[1]:
+        tables[name] = _with_row(table, row, move=(data.draw(st.integers(0, table.offsets.shape[1] - 1)),
+                                                   data.draw(st.integers(-3, 3))))
     elif fault == "rank":
         tables[name] = _with_row(table, row, rank=data.draw(st.integers(-1, max(buffers) + 1)))
     elif fault == "piece twice":
