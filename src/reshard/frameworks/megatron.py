@@ -80,7 +80,7 @@ checkpoint metadata and forward results are checked against megatron-core 0.16 i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Mapping, Sequence
+from typing import Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -271,8 +271,7 @@ def _qkv(which: str, heads: int, groups: int, hd: int, h: int, n: int) -> _Kind:
 _DENSE, _EXPERT = "dense", "expert"
 
 
-@dataclass(frozen=True)
-class _Entry:
+class _Entry(NamedTuple):  # one per tensor of a model (~200 k): a tuple, made fast
     hf: str
     stage: int
     buffer: str

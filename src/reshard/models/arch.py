@@ -282,7 +282,16 @@ def _specs(a: Arch) -> tuple[TensorSpec, ...]:
                   (p + "shared_head.norm.weight", (a.hidden,)), (p + "shared_head.head.weight", (a.vocab, a.hidden))]
         named += _layer(a, i)
     fp32 = (".e_score_correction_bias",)
-    return tuple(TensorSpec(n, s, torch.float32 if n.endswith(fp32) else a.dtype) for n, s in named)
+    checked: dict[tuple, TensorSpec] = {}  # (shape, dtype) -> the first spec of it, checked when made
+
+    def spec(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> TensorSpec:
+        first = checked.get((shape, dtype))
+        if first is None:
+            first = checked[(shape, dtype)] = TensorSpec(name, shape, dtype)
+            return first
+        return first.renamed(name)
+
+    return tuple(spec(n, s, torch.float32 if n.endswith(fp32) else a.dtype) for n, s in named)
 
 
 CATEGORIES = ("attention", "dense_mlp", "experts", "embeddings", "norms", "router")
