@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import cached_property
+from itertools import repeat
 from typing import Callable, Mapping
 
 import numpy as np
@@ -158,6 +159,7 @@ class RankPlanBuilder:
         self._stacked_cache: dict[int, _Stacked] = {}
         self._groups_by_rank: dict[int, list[int]] | None = None
         self._pending_rows: dict[int, dict[int, _Rows]] = {}  # per group: the rows of ranks not yet built
+        self._remote_only: dict[int, tuple] = {}  # id of an intersection -> (it, whether all its items are remote)
         self._built_one = False
 
     def build(self, rank: int, quotas: Callable[[], Quotas]) -> RankPlan:
@@ -173,8 +175,12 @@ class RankPlanBuilder:
             rows = self._rows_taken(index, rank) if every_rank else self._rows_of(group, rank)
             if not len(rows.instance):
                 continue
-            copies = self._group_copies(group, rows.instance, rows.item, rows.piece)
+            if self._all_remote(group):  # the common case between disjoint ranks: no local or fan-out item
+                remote_copies.extend(self._group_copies(group, rows.instance, rows.item, rows.piece, None))
+                keys.append((rows.src_rank, group.dst_rank[rows.item], group.tensor_index[rows.instance], rows.item))
+                continue
             kind = group.items.kind[rows.item]
+            copies = self._group_copies(group, rows.instance, rows.item, rows.piece, kind == FANOUT)
             for wanted, into in ((LOCAL, out.local), (FANOUT, out.fanout)):
                 found = np.flatnonzero(kind == wanted)
                 if len(found):
@@ -190,6 +196,14 @@ class RankPlanBuilder:
         out.sends.sort(key=lambda m: (m.round, m.peer))
         out.recvs.sort(key=lambda m: (m.round, m.peer))
         return out
+
+    def _all_remote(self, group: GeometryGroup) -> bool:
+        """Whether every item of ``group`` is a remote copy, once per intersection (groups alike share it)."""
+        items = group.items
+        hit = self._remote_only.get(id(items))
+        if hit is None:
+            hit = self._remote_only[id(items)] = (items, bool((items.kind == REMOTE).all()))
+        return hit[1]
 
     def _groups_of(self, rank: int) -> list[int] | range:
         """Indices, in order, of the groups that name ``rank`` as a source or destination of any
@@ -261,13 +275,15 @@ class RankPlanBuilder:
                     out.recvs.append(Message(sender, round_index, chunk))
 
     def _group_copies(self, group: GeometryGroup, inst: np.ndarray, items: np.ndarray,
-                      pieces: np.ndarray) -> list[Copy]:
-        """Copy records of rows (instance, item, source piece) of one group (for fan-out items the
-        source piece is a destination piece), with array operations across the group's tensors."""
+                      pieces: np.ndarray, fan: np.ndarray | None) -> list[Copy]:
+        """Copy records of rows (instance, item, source piece) of one group (for fan-out items, ``fan``
+        true, the source piece is a destination piece; None: no row is), with array operations across
+        the group's tensors."""
         stacked = self._stacked(group)
         group_items = group.items
         offsets, dst_pieces = group_items.offsets[items], group_items.dst_piece[items]
-        fan = group_items.kind[items] == FANOUT
+        if fan is not None and not fan.any():
+            fan = None
         src_off, dst_off = self._buffer_offsets(group, stacked, inst, offsets, dst_pieces, pieces, fan)
         names, dtypes = group.tensors, stacked.dtypes
         src_buffers, dst_buffers = stacked.src_buffers, stacked.dst_buffers
@@ -276,7 +292,7 @@ class RankPlanBuilder:
                  dst_buffers[i][dst_piece], dst_at, dtypes[i][dst_piece])
             for i, offset, size, piece, fanned, src_at, dst_piece, dst_at in zip(
                 inst.tolist(), _row_tuples(offsets), _row_tuples(group_items.sizes[items]), pieces.tolist(),
-                fan.tolist(), src_off, dst_pieces.tolist(), dst_off)
+                repeat(False) if fan is None else fan.tolist(), src_off, dst_pieces.tolist(), dst_off)
         ]
 
     def _buffer_offsets(self, group: GeometryGroup, stacked: _Stacked, inst: np.ndarray, offsets: np.ndarray,
@@ -286,6 +302,16 @@ class RankPlanBuilder:
         name0 = group.tensors[0]
         src_table, dst_table = self.source.tables[name0], self.destination.tables[name0]  # same boxes in every instance
         ndim = offsets.shape[1]
+        if fan is None and len(stacked.stacks) == 1:  # every row from a source piece, one class: no selection
+            out = []
+            for stack, side, boxes, piece in ((stacked.stacks[0][0], 0, src_table.offsets, pieces),
+                                              (stacked.stacks[0][1], 1, dst_table.offsets, dst_pieces)):
+                at = stack[stacked.slot[inst, side], piece]
+                at[:, at.shape[1] - ndim:] += offsets - boxes[piece]
+                out.append(_row_tuples(at))
+            return out[0], out[1]
+        if fan is None:
+            fan = np.zeros(len(inst), bool)
         src_off: list = [None] * len(inst)
         dst_off: list = [None] * len(inst)
         for cls, (src_stack, dst_stack) in enumerate(stacked.stacks):
