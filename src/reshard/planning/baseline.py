@@ -300,6 +300,7 @@ def _sends(source: Layout, destination: Layout, tensors, root: int
     names, sizes, sends = [], [], []
     cache: dict[tuple, dict[int, int]] = {}
     keys: dict = {}  # geometry key of the arrays tables alike share
+    boxes: dict = {}  # replicas of tables with the same boxes (on any ranks), worked out once
     single = destination.single_itemsize  # one dtype for every buffer: no look-up per tensor
     uniform, specs, tables = destination.uniform_dtype, destination.specs, source.tables
     for name in tensors:
@@ -319,7 +320,7 @@ def _sends(source: Layout, destination: Layout, tensors, root: int
         if got is None:
             got = {}
             if len(t):
-                inv, holders = t.box_copies()
+                inv, holders = t.box_copies(boxes)
                 held_by_root = set(inv[t.ranks == root].tolist())
                 vol = t.sizes.prod(axis=1) * isz
                 acc: dict[int, float] = defaultdict(float)
