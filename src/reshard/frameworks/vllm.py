@@ -57,6 +57,7 @@ with numpy arrays per tensor (no Python object per piece): DeepSeek-V3 on 128 ra
 
 from __future__ import annotations
 
+import re
 from typing import Sequence
 
 import numpy as np
@@ -74,6 +75,7 @@ EXPERT_PLACEMENTS = ("linear", "round_robin")
 # ``routed_experts`` child (older releases had them directly under ``mlp.experts``)
 EXPERTS_W13 = "mlp.experts.routed_experts.w13_weight"
 EXPERTS_W2 = "mlp.experts.routed_experts.w2_weight"
+_ROUTED_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 _REPLICATED_SUFFIXES = frozenset({
     "input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_norm.weight",
     "self_attn.k_norm.weight", "self_attn.q_a_layernorm.weight", "self_attn.kv_a_layernorm.weight",
@@ -218,6 +220,7 @@ class _Builder:
         self.moe_rank = np.empty(self.n, np.int64)
         self.moe_rank[self.members] = np.arange(self.group)[None, :]
         self.expert_buffers: dict[str, str] = {}  # buffer name -> "w13" / "w2", in order of appearance
+        self._expert_buffer_names: dict[tuple[int, str], str] = {}  # (layer, gate/up/down) -> buffer name
         if a.is_moe:
             if self.ep:
                 self.owner, self.local = expert_owners(a.experts, self.group, expert_placement)
@@ -350,10 +353,29 @@ class _Builder:
             self._cache[key] = g = (list(g[0]), g[1], g[2], list(g[3]))  # per-expert views, reused by every layer
         return g[0][e], g[1], g[2], g[3][e]
 
+    def _expert_buffer(self, layer: int, which: str) -> str:
+        """The FusedMoE buffer of ``layer`` holding ``which`` (gate / up / down) of every local expert,
+        noted as w13 or w2 the first time (buffer names made once per layer)."""
+        key = (layer, which)
+        buf = self._expert_buffer_names.get(key)
+        if buf is None:
+            w2 = which == "down"
+            buf = self._expert_buffer_names[key] = f"model.layers.{layer}." + (EXPERTS_W2 if w2 else EXPERTS_W13)
+            self.expert_buffers.setdefault(buf, "w2" if w2 else "w13")
+        return buf
+
     # ------------------------------------------------------------------ tensors
     def add(self, spec: TensorSpec) -> bool:
         """Place one logical tensor; False if vLLM does not keep it."""
         a, name, shape = self.a, spec.name, spec.shape
+        routed = _ROUTED_EXPERT.fullmatch(name)  # most of a MoE's tensors: one match, then look-ups
+        if routed is not None:
+            layer, e, which = int(routed[1]), int(routed[2]), routed[3]
+            if layer >= a.layers:  # DeepSeek MTP layer: not part of vLLM's main model
+                return False
+            buf = self._expert_buffer(layer, which)
+            self._put(spec, buf, self._expert(e, which))
+            return True
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             self._buffer(name, (pad_vocab(shape[0]) // self.tp, shape[1]))
             self._put(spec, name, self._vocab(shape))
@@ -375,11 +397,8 @@ class _Builder:
             return True
         if suffix.startswith("mlp.experts."):
             e_str, _, proj = suffix[len("mlp.experts."):].partition(".")
-            e = int(e_str)
             which = proj.partition("_")[0]  # gate / up / down
-            buf = p + (EXPERTS_W2 if which == "down" else EXPERTS_W13)
-            self.expert_buffers.setdefault(buf, "w2" if which == "down" else "w13")
-            self._put(spec, buf, self._expert(e, which))
+            self._put(spec, self._expert_buffer(layer, which), self._expert(int(e_str), which))
             return True
         tp = self.tp
         if suffix in ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
