@@ -498,36 +498,37 @@ def megatron_layout(
     expert_grid = rank_arr.reshape(g.pp, g.edp, g.ep, g.etp).transpose(0, 2, 1, 3)
 
     kinds: dict[tuple, _Kind] = {}
-    placed: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
+    # (grid, kind, stage, ep rank) -> (piece arrays, where the buffer goes, its shape); a buffer is named
+    # once per rank set: dense per (stage, tp coord), experts per (stage, ep, etp coord)
+    placed: dict[tuple, tuple] = {}
     parts: dict[str, list[tuple]] = {}
-    # buffers per (stage, tp coord) and per (stage, ep, etp coord)
     dense_bufs: dict[tuple[int, int], dict] = {(s, t): {} for s in range(g.pp) for t in range(g.tp)}
     expert_bufs: dict[tuple[int, int, int], dict] = {}
     walker = _Walker(arch, g, stage_layers, te, moe_grouped_gemm, make_vocab_size_divisible_by)
-    for e in walker.entries():
-        spec = specs[e.hf]
-        kkey = (e.grid, e.kind)
-        kind = kinds.get(kkey)
-        if kind is None:
-            kind = kinds[kkey] = _make_kind(e.kind, g, e.grid)
-        pkey = (kkey, e.stage, e.ep_rank)
-        arrays = placed.get(pkey)
-        if arrays is None:
-            reps = dense_grid[e.stage] if e.grid == _DENSE else expert_grid[e.stage, e.ep_rank]  # [replicas, n]
+    for hf, stage, buffer, kind_key, grid, ep_rank, fp32 in walker.entries():
+        pkey = (grid, kind_key, stage, ep_rank)
+        hit = placed.get(pkey)
+        if hit is None:
+            kind = kinds.get((grid, kind_key))
+            if kind is None:
+                kind = kinds[(grid, kind_key)] = _make_kind(kind_key, g, grid)
+            reps = dense_grid[stage] if grid == _DENSE else expert_grid[stage, ep_rank]  # [replicas, n]
             nrep = reps.shape[0]
             arrays = read_only((np.ascontiguousarray(reps[:, kind.coord].reshape(-1)),
                                 np.tile(kind.offsets, (nrep, 1)), np.tile(kind.sizes, (nrep, 1)),
                                 np.tile(kind.boffs, (nrep, 1))))
-            placed[pkey] = arrays
-        parts.setdefault(e.hf, []).append((arrays, e.buffer))
-        bdtype = torch.float32 if e.fp32 else (dtype or spec.dtype)
-        n = g.tp if e.grid == _DENSE else g.etp
-        for t in range(n):
-            if e.grid == _DENSE:
-                d = dense_bufs[(e.stage, t)]
-            else:
-                d = expert_bufs.setdefault((e.stage, e.ep_rank, t), {})
-            d[e.buffer] = (kind.shape, bdtype)
+            into = ([dense_bufs[(stage, t)] for t in range(g.tp)] if grid == _DENSE else
+                    [expert_bufs.setdefault((stage, ep_rank, t), {}) for t in range(g.etp)])
+            hit = placed[pkey] = (arrays, into, kind.shape)
+        arrays, into, shape = hit
+        found = parts.get(hf)
+        if found is None:
+            parts[hf] = [(arrays, buffer)]
+        else:
+            found.append((arrays, buffer))
+        desc = (shape, torch.float32 if fp32 else (dtype or specs[hf].dtype))
+        for d in into:
+            d[buffer] = desc
 
     tables: dict[str, PieceTable] = {}
     for name, lst in parts.items():
