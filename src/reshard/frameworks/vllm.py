@@ -395,11 +395,6 @@ class _Builder:
             self._buffer(name, shape, torch.float32 if suffix.endswith("e_score_correction_bias") else None)
             self._put(spec, name, self._replicated(shape))
             return True
-        if suffix.startswith("mlp.experts."):
-            e_str, _, proj = suffix[len("mlp.experts."):].partition(".")
-            which = proj.partition("_")[0]  # gate / up / down
-            self._put(spec, self._expert_buffer(layer, which), self._expert(int(e_str), which))
-            return True
         tp = self.tp
         if suffix in ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
                       "mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight",

@@ -123,6 +123,16 @@ def _row_tuples(array: np.ndarray) -> list[tuple[int, ...]]:
     return list(zip(*array.T.tolist()))
 
 
+def _box_starts(stack: np.ndarray, slots: np.ndarray, piece: np.ndarray, offsets: np.ndarray, boxes: np.ndarray
+                ) -> list[tuple[int, ...]]:
+    """Where boxes at ``offsets`` (tensor coordinates) start in their buffers, as tuples: each one's piece's
+    buffer offsets (``stack[slots, piece]``) moved in the trailing dims by the box's offset inside that
+    piece (``boxes[piece]``: where each piece starts in the tensor)."""
+    at = stack[slots, piece]
+    at[:, at.shape[1] - offsets.shape[1]:] += offsets - boxes[piece]
+    return _row_tuples(at)
+
+
 @dataclass
 class _Stacked:
     """One group's tensors sorted into classes by their buffers' numbers of dims, each class with its
@@ -301,15 +311,10 @@ class RankPlanBuilder:
         piece's buffer) and in its destination buffer, as tuples."""
         name0 = group.tensors[0]
         src_table, dst_table = self.source.tables[name0], self.destination.tables[name0]  # same boxes in every instance
-        ndim = offsets.shape[1]
         if fan is None and len(stacked.stacks) == 1:  # every row from a source piece, one class: no selection
-            out = []
-            for stack, side, boxes, piece in ((stacked.stacks[0][0], 0, src_table.offsets, pieces),
-                                              (stacked.stacks[0][1], 1, dst_table.offsets, dst_pieces)):
-                at = stack[stacked.slot[inst, side], piece]
-                at[:, at.shape[1] - ndim:] += offsets - boxes[piece]
-                out.append(_row_tuples(at))
-            return out[0], out[1]
+            src_stack, dst_stack = stacked.stacks[0]
+            return (_box_starts(src_stack, stacked.slot[inst, 0], pieces, offsets, src_table.offsets),
+                    _box_starts(dst_stack, stacked.slot[inst, 1], dst_pieces, offsets, dst_table.offsets))
         if fan is None:
             fan = np.zeros(len(inst), bool)
         src_off: list = [None] * len(inst)
@@ -323,12 +328,11 @@ class RankPlanBuilder:
                 if not len(chosen):
                     continue
                 piece = dst_pieces[chosen] if select is None else pieces[chosen]
-                at = stack[stacked.slot[inst[chosen], side], piece]
-                at[:, at.shape[1] - ndim:] += offsets[chosen] - boxes[piece]
+                starts = _box_starts(stack, stacked.slot[inst[chosen], side], piece, offsets[chosen], boxes)
                 if len(chosen) == len(inst):
-                    out[:] = _row_tuples(at)
+                    out[:] = starts
                 else:
-                    for row, value in zip(chosen.tolist(), _row_tuples(at)):
+                    for row, value in zip(chosen.tolist(), starts):
                         out[row] = value
         return src_off, dst_off
 
